@@ -1,0 +1,89 @@
+"""User-facing parameter contracts, validated once at construction.
+
+Each dataclass is frozen: the engine never mutates what the user passed in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forerun.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "int8", "float64")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token. temperature == 0 means greedy (argmax).
+
+    The same params shape the verifier's p during verification as during plain
+    sampling, which is what makes speculative sampling exact.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = no top-k cut
+    max_tokens: int = 128
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Which drafter proposes tokens and how many per step.
+
+    method: a name in the drafter registry ("ngram", "draft_model"), or None for plain decoding.
+    num_speculative_tokens: k, the longest draft per verifier forward (0 = plain decoding).
+    draft_model: path / hub id / "default" for method="draft_model", or an already built LLM-like
+        object exposing `.model` and `.tokenizer`.
+    ngram_max / ngram_min: the n-gram drafter's match window (longest first).
+    """
+
+    method: str | None = "ngram"
+    num_speculative_tokens: int = 5
+    draft_model: object | None = None
+    draft_dtype: str | None = None  # default: the verifier's dtype
+    ngram_max: int = 4
+    ngram_min: int = 1
+    options: dict = field(default_factory=dict)  # drafter-specific extras, by name
+
+    def __post_init__(self):
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or k < 0:
+            raise ConfigError(f"num_speculative_tokens (k) must be an integer >= 0, got {k!r}")
+        if k > 64:
+            raise ConfigError(f"num_speculative_tokens (k) = {k} is absurd; use at most 64")
+        if not (1 <= self.ngram_min <= self.ngram_max):
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.draft_dtype is not None and self.draft_dtype not in DTYPES:
+            raise ConfigError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None and self.num_speculative_tokens > 0
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return dtype

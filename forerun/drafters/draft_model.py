@@ -1,0 +1,97 @@
+"""A separate, smaller model with the verifier's tokenizer drafts k tokens autoregressively.
+
+It keeps its own position-indexed KV cache, re-synced each step from the committed
+tokens: entries whose tokens were accepted stay, the rest are overwritten. The special
+case worth spelling out: when all k drafts are accepted, the last draft token was never
+fed to the drafter, so the next step's catch-up feeds two tokens (it and the bonus).
+"""
+from __future__ import annotations
+
+import torch
+
+from forerun.config import SamplingParams
+from forerun.drafters.base import Draft, DraftRequest, register
+from forerun.errors import ConfigError
+from forerun.kv_cache import chain_batch
+from forerun.sampling import logits_to_probs, sample
+
+
+class DraftModelDrafter:
+    name = "draft_model"
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+        self.synced: dict[int, int] = {}  # row -> committed tokens whose KV is in the draft cache
+        self.tail: dict[int, list[int]] = {}  # row -> drafted tokens written right after them
+
+    def start(self, num_rows: int, capacity: int) -> None:
+        self.cache = self.model.new_cache(num_rows, capacity)
+        self.synced, self.tail = {}, {}
+
+    def _catch_up(self, r: DraftRequest) -> tuple[int, list[int]]:
+        """(first slot to write, tokens to feed) so the cache covers r.tokens[:-1] and the
+        last logits predict the token after r.tokens."""
+        start = self.synced.get(r.row, 0)
+        for tok in self.tail.get(r.row, []):  # drafted entries that the verifier accepted
+            if start < len(r.tokens) - 1 and r.tokens[start] == tok:
+                start += 1
+            else:
+                break
+        start = min(start, len(r.tokens) - 1)
+        return start, r.tokens[start:]
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], params: SamplingParams, generator) -> list[Draft]:
+        live = [r for r in requests if r.k > 0]
+        out = {r.row: ([], []) for r in live}  # row -> (drafted tokens, their q rows)
+        feeds = [self._catch_up(r) for r in live]
+        starts, new = [s for s, _ in feeds], [f for _, f in feeds]
+        for step in range(max((r.k for r in live), default=0)):
+            batch = chain_batch(new, starts, [r.row for r in live], self.model.device)
+            last = torch.tensor([len(f) - 1 for f in new], device=self.model.device)[:, None]
+            logits = self.model(batch, self.cache, logits_at=last).logits[:, 0]  # [B, V]
+            toks, q = self._pick(logits, params, generator)
+            for i, r in enumerate(live):
+                out[r.row][0].append(toks[i])
+                if q is not None:
+                    out[r.row][1].append(q[i])
+            keep = [i for i, r in enumerate(live) if r.k > step + 1]
+            starts = [starts[i] + len(new[i]) for i in keep]
+            new, live = [[toks[i]] for i in keep], [live[i] for i in keep]
+        for r in requests:
+            if r.k > 0:  # cache now covers r.tokens, then every drafted token but the last
+                self.synced[r.row], self.tail[r.row] = len(r.tokens), out[r.row][0][:-1]
+        return [Draft(*self._pack(out[r.row])) if r.k > 0 else Draft([], None) for r in requests]
+
+    def _pick(self, logits, params: SamplingParams, generator):
+        if params.greedy:
+            return logits.argmax(-1).tolist(), None
+        q = logits_to_probs(logits, params)  # [B, V]: the exact q each token is drawn from
+        return sample(q, generator).tolist(), q
+
+    @staticmethod
+    def _pack(drafted) -> tuple[list[int], torch.Tensor | None]:
+        tokens, q = drafted
+        return tokens, (torch.stack(q) if q else None)
+
+
+def _vocab(llm) -> dict | int:
+    tok = getattr(llm, "tokenizer", None)
+    return tok.get_vocab() if tok is not None else llm.model.config.vocab_size
+
+
+@register("draft_model")
+def _make(spec, verifier, **_) -> DraftModelDrafter:
+    from forerun.llm import LLM
+
+    src = spec.draft_model
+    if src is None:
+        raise ConfigError("method 'draft_model' needs draft_model= (a model folder, .gguf, hub id or LLM)")
+    draft = src if isinstance(src, LLM) else LLM(model=src, dtype=spec.draft_dtype or verifier.dtype, speculative=None)
+    if _vocab(draft) != _vocab(verifier):
+        raise ConfigError(
+            "the draft model's vocabulary differs from the verifier's; method 'draft_model' needs the same "
+            "tokenizer (cross-tokenizer drafting is not supported yet)"
+        )
+    return DraftModelDrafter(draft.model)

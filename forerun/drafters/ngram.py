@@ -1,0 +1,54 @@
+"""Prompt-lookup decoding (Saxena 2023): propose what followed the last n tokens before.
+
+No model, no probabilities: every proposal is deterministic (a one-hot q), so the
+verifier accepts token x with probability p(x) and a rejection resamples from p
+with x removed (verify.rejection_verify).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from forerun.drafters.base import Draft, DraftRequest, register
+
+
+def find_continuation(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
+    """Match the last n tokens (n from n_max down to n_min) earlier in `tokens`; return
+    up to k tokens that followed the most recent match, or [] when nothing matches.
+
+    >>> find_continuation([1, 2, 3, 9, 1, 2], n_max=2, n_min=1, k=3)
+    [3, 9, 1]
+    >>> find_continuation([1, 2, 3], n_max=2, n_min=1, k=3)
+    []
+    """
+    if k <= 0 or len(tokens) < 2:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
+        suffix = arr[-n:]
+        # windows over arr[:-1] end at most at len - 2, so a continuation always exists
+        # and the suffix never matches itself.
+        windows = sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def start(self, num_rows: int, capacity: int) -> None:
+        pass  # stateless: every proposal is recomputed from the committed tokens
+
+    def propose(self, requests: list[DraftRequest], params, generator) -> list[Draft]:
+        return [Draft(find_continuation(r.tokens, self.n_max, self.n_min, r.k)) for r in requests]
+
+
+@register("ngram")
+def _make(spec, **_) -> NgramDrafter:
+    return NgramDrafter(spec.ngram_max, spec.ngram_min)

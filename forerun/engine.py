@@ -1,0 +1,162 @@
+"""The generate loop: prefill, then draft -> verify -> commit -> emit until every row stops.
+
+Plain decoding is the same loop with empty drafts, so speculative and plain runs share
+every line but the drafter call. Invariant per sequence (cache row):
+    cache.lengths[row] == len(seq.tokens) - 1
+i.e. the last committed token is *pending*: its K/V is written by the next forward,
+which feeds [pending] + draft and so scores the draft and the next position at once.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from forerun.config import SamplingParams
+from forerun.drafters.base import Draft, Drafter, DraftRequest
+from forerun.kv_cache import KVCache, chain_batch
+from forerun.metrics import SpecStats
+from forerun.sampling import logits_to_probs, make_generator
+from forerun.verify import greedy_verify, rejection_verify
+
+PREFILL_TOKEN_BUDGET = 4096  # tokens per prefill forward (rows are grouped up to this)
+
+
+@dataclass
+class Sequence:
+    row: int
+    tokens: list[int]  # prompt + generated; tokens[-1] is pending (no K/V yet)
+    prompt_len: int
+    max_new: int
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None  # "stop" (EOS / stop string) or "length"
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.generated)
+
+
+@dataclass
+class GenerateJob:
+    """Everything one generate call needs besides the model."""
+
+    prompts: list[list[int]]  # token ids per sequence (non-empty)
+    params: SamplingParams
+    max_new: list[int]  # per sequence, already clipped to the context
+    drafter: Drafter | None = None
+    k: int = 0
+    eos_ids: frozenset[int] = frozenset()
+    should_stop: Callable[[int, list[int]], bool] | None = None  # (seq index, generated ids) -> stop?
+    on_tokens: Callable[[int, list[int]], None] | None = None  # streaming: (seq index, new ids)
+
+
+@torch.inference_mode()
+def generate(model, job: GenerateJob) -> list[Sequence]:
+    seqs = [Sequence(i, list(p), len(p), m) for i, (p, m) in enumerate(zip(job.prompts, job.max_new))]
+    capacity = max(len(s.tokens) + s.max_new for s in seqs) + job.k + 1
+    cache = model.new_cache(len(seqs), capacity)
+    generator = make_generator(job.params.seed, model.device)
+    t0 = time.perf_counter()
+    prefill(model, cache, seqs)
+    t_prefill = time.perf_counter() - t0
+    if job.drafter is not None and job.k > 0:
+        job.drafter.start(len(seqs), capacity)
+    active = list(seqs)
+    while active:
+        step(model, cache, active, job, generator)
+        active = [s for s in active if s.finish_reason is None]
+    t_decode = time.perf_counter() - t0 - t_prefill
+    for s in seqs:
+        s.stats.prefill_time, s.stats.decode_time = t_prefill, t_decode
+    return seqs
+
+
+def prefill(model, cache: KVCache, seqs: list[Sequence]):
+    """Write K/V for every prompt token but the last (the first step feeds that one)."""
+    todo = [s for s in seqs if len(s.tokens) > 1]
+    while todo:
+        group, longest = [], 0
+        for s in todo:
+            longest = max(longest, len(s.tokens) - 1)
+            if group and longest * (len(group) + 1) > PREFILL_TOKEN_BUDGET:
+                break
+            group.append(s)
+        batch = chain_batch([s.tokens[:-1] for s in group], [0] * len(group), [s.row for s in group], model.device)
+        model(batch, cache, logits_at=None)
+        for s in group:
+            cache.truncate(s.row, len(s.tokens) - 1)
+        todo = todo[len(group) :]
+
+
+def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, generator):
+    """One verifier forward for every active row: score [pending] + draft, keep n + 1 tokens."""
+    t0 = time.perf_counter()
+    drafts = _propose(active, job, generator)
+    t1 = time.perf_counter()
+    new = [[s.tokens[-1]] + d.tokens for s, d in zip(active, drafts)]
+    batch = chain_batch(new, [len(s.tokens) - 1 for s in active], [s.row for s in active], model.device)
+    logits = model(batch, cache).logits  # [B, K + 1, V]
+    result = _verify(logits, drafts, job.params, generator)
+    num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
+    t2 = time.perf_counter()
+    for i, (s, d) in enumerate(zip(active, drafts)):
+        n = num_accepted[i]
+        s.stats.record_step(len(d.tokens), n)
+        s.stats.draft_time += t1 - t0
+        s.stats.verify_time += t2 - t1
+        _commit(s, d.tokens[:n] + [next_tokens[i]], job, cache)
+
+
+def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]:
+    if job.drafter is None or job.k == 0:
+        return [Draft([], None) for _ in active]
+    # Never draft past the sequence's budget: a step emits up to k + 1 tokens.
+    requests = [DraftRequest(s.row, s.tokens, max(0, min(job.k, s.remaining - 1))) for s in active]
+    return job.drafter.propose(requests, job.params, generator)
+
+
+def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, generator):
+    """Pad the drafts to [B, K] and run greedy or rejection verification on the batch."""
+    B, T, V = logits.shape
+    K, dev = T - 1, logits.device
+    tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
+    lens = torch.tensor([len(d.tokens) for d in drafts], device=dev)
+    for i, d in enumerate(drafts):
+        tokens[i, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+    if params.greedy:
+        return greedy_verify(tokens, lens, logits)
+    q = None
+    if any(d.probs is not None for d in drafts):
+        q = torch.zeros(B, K, V, dtype=logits.dtype if logits.dtype == torch.float64 else torch.float32, device=dev)
+        for i, d in enumerate(drafts):
+            if d.probs is not None and len(d.tokens):
+                q[i, : len(d.tokens)] = d.probs
+            elif len(d.tokens):  # a one-hot proposal inside a probabilistic batch
+                q[i, : len(d.tokens)] = torch.nn.functional.one_hot(tokens[i, : len(d.tokens)], V).to(q.dtype)
+    return rejection_verify(tokens, lens, q, logits_to_probs(logits, params), generator)
+
+
+def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache):
+    """Append emitted tokens one by one until EOS, a stop string or the token budget."""
+    kept = []
+    for tok in emitted:
+        kept.append(tok)
+        s.tokens.append(tok)
+        if tok in job.eos_ids and not job.params.ignore_eos:
+            s.finish_reason = "stop"
+        elif job.should_stop is not None and job.should_stop(s.row, s.generated):
+            s.finish_reason = "stop"
+        elif s.remaining <= 0:
+            s.finish_reason = "length"
+        if s.finish_reason:
+            break
+    s.stats.generated = len(s.generated)
+    cache.truncate(s.row, len(s.tokens) - 1)
+    if job.on_tokens is not None and kept:
+        job.on_tokens(s.row, kept)

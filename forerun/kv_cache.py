@@ -1,0 +1,106 @@
+"""Position-indexed KV cache and the per-forward batch description.
+
+Every sequence owns one cache *row*. A token's keys/values live at the row's *slot*
+equal to its position in the sequence, so:
+  - a rejected draft needs no rollback: `truncate(row, n)` only moves the write cursor,
+    and the stale entries past it are overwritten by the next forward;
+  - attention visibility is a mask over slots (`ForwardBatch.mask`), so a chain is the
+    causal rule `key_slot <= query_slot` and a token tree is an ancestor mask over the
+    drafted slots, after which `move()` compacts the accepted path to consecutive slots.
+A paged cache keeps this interface: slots become (block, offset) through a block table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One model forward over B cache rows, T new tokens each (right-padded)."""
+
+    tokens: torch.Tensor  # [B, T] int64 token ids (padding: any valid id)
+    positions: torch.Tensor  # [B, T] int64 RoPE positions
+    slots: torch.Tensor  # [B, T] int64 cache slots written by this forward
+    rows: list[int]  # [B] cache row of each batch entry
+    kv_len: int  # S: this forward reads slots [0, S) of each row
+    mask: torch.Tensor  # [B, 1, T, S] bool, True = query may attend to key slot
+
+
+def chain_batch(
+    new_tokens: list[list[int]], starts: list[int], rows: list[int], device: torch.device
+) -> ForwardBatch:
+    """Each row b appends new_tokens[b] at slots starts[b], starts[b]+1, ...
+
+    Rows with fewer tokens are right-padded by repeating their last token; a padded
+    query sits *after* every real query of its row, so under the causal slot rule no
+    real query ever sees it, and its cache entry is past the row's length (stale).
+    >>> b = chain_batch([[5, 6], [7]], [3, 0], [0, 1], torch.device("cpu"))
+    >>> b.positions.tolist(), b.kv_len
+    ([[3, 4], [0, 1]], 5)
+    """
+    T = max(len(t) for t in new_tokens)
+    padded = [t + [t[-1]] * (T - len(t)) for t in new_tokens]
+    tokens = torch.tensor(padded, dtype=torch.long, device=device)
+    start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+    slots = start + torch.arange(T, device=device)[None, :]
+    kv_len = max(starts) + T
+    keys = torch.arange(kv_len, device=device)
+    mask = (keys[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
+    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask)
+
+
+class KVCache:
+    """Preallocated keys/values, one [rows, H_kv, capacity, D] tensor pair per layer."""
+
+    def __init__(self, num_layers, rows, num_kv_heads, capacity, head_dim, dtype, device):
+        shape = (rows, num_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * rows  # host-side: slots [0, length) hold committed tokens
+        self.capacity = capacity
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def _rows_index(self, rows: list[int]):
+        """A slice when rows are consecutive (no gather copy), else an index tensor."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return torch.tensor(rows, device=self.k[0].device)
+
+    def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [B, H_kv, T, D] for the batch's (rows, slots).
+
+        No bounds check here (it would cost a host sync per layer): `check_fits` runs
+        once per forward, before the model is called.
+        """
+        rows = torch.tensor(batch.rows, device=k.device)[:, None]  # [B, 1] broadcast with slots
+        # Advanced indices (rows, slots) around a slice put their dims first: value [B, T, H, D].
+        self.k[layer][rows, :, batch.slots] = k.transpose(1, 2)
+        self.v[layer][rows, :, batch.slots] = v.transpose(1, 2)
+
+    def check_fits(self, batch: ForwardBatch):
+        if batch.kv_len > self.capacity:
+            raise IndexError(f"forward reaches slot {batch.kv_len - 1}, KV capacity is {self.capacity}")
+
+    def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [0, S) for the batch's rows: [B, H_kv, S, D] each."""
+        idx = self._rows_index(batch.rows)
+        return self.k[layer][idx, :, : batch.kv_len], self.v[layer][idx, :, : batch.kv_len]
+
+    def truncate(self, row: int, length: int):
+        """Keep slots [0, length); later writes overwrite the rest. O(1), no copy."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length {length} outside [0, {self.capacity}]")
+        self.lengths[row] = length
+
+    def move(self, row: int, src_slots: list[int], dst_slots: list[int]):
+        """Copy entries src -> dst in every layer (token-tree compaction of the accepted path)."""
+        src = torch.tensor(src_slots, device=self.k[0].device)
+        dst = torch.tensor(dst_slots, device=self.k[0].device)
+        for kk, vv in zip(self.k, self.v):
+            kk[row, :, dst] = kk[row, :, src]
+            vv[row, :, dst] = vv[row, :, src]

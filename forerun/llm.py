@@ -1,0 +1,176 @@
+"""The Python API, shaped like vLLM's: LLM(...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from forerun.config import SamplingParams, SpeculativeConfig, check_dtype
+from forerun.drafters.base import Drafter, build_drafter
+from forerun.engine import GenerateJob, generate
+from forerun.errors import ConfigError, ContextLengthError
+from forerun.metrics import SpecStats
+
+_DEFAULT = object()  # "use the LLM's speculative config"
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids (EOS included when the model emitted it)
+    text: str  # decoded generated text, cut before a matched stop string
+    finish_reason: str  # "stop" or "length"
+    stats: SpecStats
+
+
+class LLM:
+    """A verifier model, its tokenizer and a default speculative config.
+
+    model: None (embedded SmolLM2-135M-Instruct), a HF folder, a .gguf file, a hub id,
+    or an already built LlamaForCausalLM (then pass tokenizer= or use token-id prompts).
+    """
+
+    def __init__(
+        self,
+        model=None,
+        dtype: str = "float32",
+        speculative: SpeculativeConfig | None = None,
+        tokenizer=None,
+        device: str = "cpu",
+        progress: bool = True,
+    ):
+        from forerun.models.llama import LlamaForCausalLM
+
+        self.dtype = check_dtype(dtype)
+        if isinstance(model, LlamaForCausalLM):
+            self.model, self.tokenizer = model, tokenizer
+        else:
+            from forerun.models.loader import load_model, resolve_model_dir
+            from forerun.tokenizer import Tokenizer
+
+            folder = resolve_model_dir(model, progress=progress)
+            self.tokenizer = tokenizer or Tokenizer.from_pretrained(folder)
+            self.model = load_model(folder, dtype, device)
+        self.speculative = speculative
+        self._drafters: dict[int, tuple[SpeculativeConfig, Drafter]] = {}
+
+    @property
+    def max_context(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | None = None,
+        speculative=_DEFAULT,
+        stream: Callable[[int, str], None] | None = None,
+    ) -> list[CompletionOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists (batched together).
+
+        stream(seq_index, text_delta) is called as text is produced.
+        """
+        params = sampling_params or SamplingParams()
+        spec = self.speculative if speculative is _DEFAULT else speculative
+        ids = self._encode_all(prompts)
+        job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self._eos_ids())
+        if spec is not None and spec.enabled:
+            job.drafter, job.k = self._drafter(spec), spec.num_speculative_tokens
+        if params.stop:
+            job.should_stop = lambda i, gen: _stop_index(self._decode(gen), params.stop) is not None
+        if stream is not None:
+            job.on_tokens = self._streamer(len(ids), stream)
+        return [self._output(s, params) for s in generate(self.model, job)]
+
+    def chat(self, messages, sampling_params=None, speculative=_DEFAULT, stream=None) -> list[CompletionOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, speculative, stream)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        self._need_tokenizer()
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    # -- helpers -----------------------------------------------------------------------
+    def _encode_all(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ConfigError("no prompts given")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                self._need_tokenizer()
+                p = self.tokenizer.encode(p, add_special_tokens=not _starts_with_special(p, self.tokenizer))
+            p = [int(t) for t in p]
+            if not p:
+                raise ConfigError("empty prompt")
+            if max(p) >= self.model.config.vocab_size or min(p) < 0:
+                raise ConfigError(f"prompt token id outside the vocabulary [0, {self.model.config.vocab_size})")
+            out.append(p)
+        return out
+
+    def _budgets(self, ids: list[list[int]], params: SamplingParams) -> list[int]:
+        budgets = []
+        for p in ids:
+            room = self.max_context - len(p)
+            if room < 1:
+                raise ContextLengthError(
+                    f"prompt is {len(p)} tokens; the model's context is {self.max_context} tokens "
+                    "(shorten the prompt or use a model with a longer context)"
+                )
+            budgets.append(min(params.max_tokens, room))
+        return budgets
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model.config.eos_token_id)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return frozenset(ids)
+
+    def _drafter(self, spec: SpeculativeConfig) -> Drafter:
+        cached = self._drafters.get(id(spec))
+        if cached is None or cached[0] is not spec:
+            cached = (spec, build_drafter(spec.method, spec=spec, verifier=self))
+            self._drafters[id(spec)] = cached
+        return cached[1]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _streamer(self, n: int, stream: Callable[[int, str], None]):
+        from forerun.tokenizer import StreamDecoder
+
+        decoders = [StreamDecoder(self.tokenizer) for _ in range(n)] if self.tokenizer else None
+
+        def on_tokens(i: int, new_ids: list[int]):
+            if decoders is not None:
+                text = decoders[i].push(new_ids)
+                if text:
+                    stream(i, text)
+
+        return on_tokens
+
+    def _output(self, s, params: SamplingParams) -> CompletionOutput:
+        text = self._decode(s.generated)
+        cut = _stop_index(text, params.stop)
+        return CompletionOutput(s.tokens[: s.prompt_len], s.generated, text if cut is None else text[:cut], s.finish_reason, s.stats)
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ConfigError("this LLM has no tokenizer: pass token-id prompts")
+
+
+def _stop_index(text: str, stops) -> int | None:
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _starts_with_special(text: str, tokenizer) -> bool:
+    """A chat-templated prompt already carries its BOS; do not add a second one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos) and text.startswith(bos)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,78 @@
+"""Per-sequence speculative-decoding statistics, in the verify.py vocabulary."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecStats:
+    generated: int = 0  # tokens emitted for the user (after stop/max_tokens truncation)
+    drafted: int = 0  # draft tokens proposed and scored by the verifier
+    accepted: int = 0  # draft tokens the verifier kept
+    rejections: int = 0  # steps that ended in a recovered token (a draft token refused)
+    bonus: int = 0  # steps whose whole non-empty draft was accepted
+    verifier_forwards: int = 0  # decode steps (one verifier forward each; prefill not counted)
+    accepted_at: list[int] = field(default_factory=list)  # [k] accepts per draft position
+    prefill_time: float = 0.0  # seconds
+    decode_time: float = 0.0  # seconds, from the end of prefill to the last token
+    draft_time: float = 0.0  # seconds spent in the drafter (shared by the batch)
+    verify_time: float = 0.0  # seconds spent in verifier forwards + verification
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per verifier forward, empty-draft steps included (Spec-Bench)."""
+        return self.generated / self.verifier_forwards if self.verifier_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        t = self.prefill_time + self.decode_time
+        return self.generated / t if t > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.generated / self.decode_time if self.decode_time > 0 else 0.0
+
+    def record_step(self, draft_len: int, num_accepted: int):
+        self.verifier_forwards += 1
+        self.drafted += draft_len
+        self.accepted += num_accepted
+        if num_accepted < draft_len:
+            self.rejections += 1
+        elif draft_len > 0:
+            self.bonus += 1
+        while len(self.accepted_at) < draft_len:
+            self.accepted_at.append(0)
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_length=self.mean_accepted_length,
+            tokens_per_s=self.tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+        )
+        return d
+
+
+def merge(stats: list[SpecStats]) -> SpecStats:
+    """Sum counters and times over sequences (e.g. a whole prompt set)."""
+    out = SpecStats()
+    for s in stats:
+        for name in ("generated", "drafted", "accepted", "rejections", "bonus", "verifier_forwards"):
+            setattr(out, name, getattr(out, name) + getattr(s, name))
+        for name in ("prefill_time", "decode_time", "draft_time", "verify_time"):
+            setattr(out, name, getattr(out, name) + getattr(s, name))
+        out.accepted_at = [a + b for a, b in _zip_longest(out.accepted_at, s.accepted_at)]
+    return out
+
+
+def _zip_longest(a: list[int], b: list[int]):
+    n = max(len(a), len(b))
+    return zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))

@@ -1,0 +1,137 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU.
+
+Reads top-down: norm -> attention -> MLP -> block -> model. Weight names follow
+Hugging Face so a HF state dict loads as is. The model never decides *which* tokens
+to run: the caller's ForwardBatch gives tokens, RoPE positions, cache slots and the
+attention mask (chains, padded batches and token trees alike).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forerun.kv_cache import ForwardBatch, KVCache
+from forerun.models.config import ModelConfig
+from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in float32 at least (bfloat16 variance is too coarse), like the reference.
+        dt = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(dt)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.nh, self.nkv, self.hd = layer, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer, batch, k, v)
+        keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask, enable_gqa=self.nkv != self.nh
+        )  # (B, nh, T, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, batch, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # [B, T, hidden_size] after the final norm (what the LM head reads)
+    logits: torch.Tensor | None  # [B, T', vocab] for the requested positions, or None
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
+
+    def forward(self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all") -> ModelOutput:
+        """Run batch.tokens through every layer, writing K/V into `cache`.
+
+        logits_at: "all" (every position), None (no LM head: prefill), or an index tensor
+        [B, T'] of positions per row whose logits are wanted.
+        """
+        cache.check_fits(batch)
+        x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
+        rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, cache)
+        hidden = self.model.norm(x)
+        if logits_at is None:
+            return ModelOutput(hidden, None)
+        h = hidden if isinstance(logits_at, str) else hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
+        return ModelOutput(hidden, self.lm_head(h).float() if h.dtype == torch.bfloat16 else self.lm_head(h))

@@ -1,0 +1,109 @@
+"""Build a decoder from a HF model folder, a GGUF file or a hub id, at a chosen precision."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from forerun.config import check_dtype
+from forerun.errors import ModelLoadError
+from forerun.models.config import ModelConfig
+from forerun.models.llama import LlamaForCausalLM
+from forerun.models.rope import inv_frequencies
+
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
+    """None -> embedded default; a folder; a .gguf (converted once, cached); else a hub id."""
+    if model is None or str(model) == "default":
+        from forerun.embedded import default_model_dir
+
+        return default_model_dir(progress=progress)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return _converted_gguf(path, progress)
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        raise ModelLoadError(f"model not found: {model!r} (expected a model folder, a .gguf file or a hub id)")
+    return _hub_snapshot(str(model))
+
+
+def _converted_gguf(path: Path, progress: bool) -> Path:
+    from forerun.embedded import cache_dir
+    from forerun.models.gguf_convert import convert_gguf_to_hf
+
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "converted" / f"{path.stem}-{key}"
+    if not (out / "config.json").exists():
+        convert_gguf_to_hf(path, out, progress=progress)
+    return out
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError(f"{repo_id!r} looks like a hub id, but huggingface_hub is not installed") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:  # network, auth, missing repo: all the user's to fix
+        raise ModelLoadError(f"could not fetch {repo_id!r} from the hub: {e}") from None
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors file(s), sharded or not."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
+    files = files or sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors weights in {folder}")
+    state = {}
+    for name in files:
+        try:
+            state.update(load_file(str(folder / name)))
+        except Exception as e:
+            raise ModelLoadError(f"corrupt or unreadable weights file {folder / name}: {e}") from None
+    return state
+
+
+def load_model(folder: Path, dtype: str = "float32", device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    check_dtype(dtype)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = read_state_dict(folder)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    target = TORCH_DTYPES.get(dtype, torch.float32)
+    state = {k: v.to(target) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ModelLoadError(f"weights in {folder} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return finish_model(model, dtype, device)
+
+
+def finish_model(model: LlamaForCausalLM, dtype: str, device) -> LlamaForCausalLM:
+    """Tie, place, quantise; the common tail of every way of building a model."""
+    cfg = model.config
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Built on the meta device, the RoPE buffer holds no data yet: compute it here.
+    model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model = model.to(device)
+    if dtype == "int8":
+        if torch.device(device).type != "cpu":
+            raise ModelLoadError("dtype int8 is a CPU path (fbgemm); use bfloat16 on an accelerator")
+        from forerun.models.quant import quantize_int8_
+
+        quantize_int8_(model)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,56 @@
+"""Logits -> the distribution a token is drawn from, and the draw itself.
+
+One function shapes probabilities for plain sampling, for the verifier's p and for a
+drafter's q: speculative sampling is exact only if p here equals plain sampling's.
+"""
+from __future__ import annotations
+
+import torch
+
+from forerun.config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> [..., V] probabilities after temperature, top-k, top-p.
+
+    float64 logits stay float64 (exactness tests); anything else is computed in float32.
+    Greedy params (temperature 0) give the one-hot of the argmax.
+    """
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dt)
+    x = logits.to(dt) / params.temperature
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        x = _top_p_mask(x, params.top_p)
+    return torch.softmax(x, dim=-1)
+
+
+def _top_p_mask(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (never empty).
+
+    Example: probs sorted [0.5, 0.3, 0.2], top_p 0.7 -> mass *before* each token is
+    [0, 0.5, 0.8]; tokens whose preceding mass is already >= top_p go: keep the first two.
+    """
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[N, V] probabilities -> [N] token ids, one independent draw per row."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,96 @@
+"""Verification: which drafted tokens the verifier keeps, and the token that follows.
+
+Vocabulary, used everywhere in forerun:
+  output tokens of a step = accepted + (recovered | bonus)
+  - accepted:  the longest draft prefix the verifier keeps (n of the k drafted);
+  - recovered: on a rejection at position n, a token drawn from norm(max(0, p_n - q_n));
+  - bonus:     when all k are accepted, a token drawn from p_k (the position after the draft).
+So every verifier forward emits n + 1 tokens, 1 <= n + 1 <= k + 1.
+
+Pure functions over padded batches: row b drafted draft_lens[b] <= K tokens; entries
+past that are padding and never accepted. No host sync inside: the engine reads
+`num_accepted` and `next_token` once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forerun.sampling import sample
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: torch.Tensor  # [B] int64, accepted draft tokens per row
+    next_token: torch.Tensor  # [B] int64, the recovered or bonus token per row
+
+
+def _accepted_prefix(ok: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
+    """ok [B, K] bool -> [B] length of the leading run of True within each row's draft."""
+    K = ok.shape[1]
+    valid = torch.arange(K, device=ok.device)[None, :] < draft_lens[:, None]
+    return (ok & valid).long().cumprod(dim=1).sum(dim=1)
+
+
+def greedy_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+    """Keep drafts while they equal the verifier's argmax; then emit the argmax.
+
+    draft_tokens [B, K]; draft_lens [B]; target_logits [B, K + 1, V].
+    >>> logits = torch.eye(4)[[[1, 2, 3]]]  # verifier argmax: 1, 2, 3
+    >>> r = greedy_verify(torch.tensor([[1, 0]]), torch.tensor([2]), logits)
+    >>> r.num_accepted.tolist(), r.next_token.tolist()
+    ([1], [2])
+    """
+    best = target_logits.argmax(dim=-1)  # [B, K + 1]
+    n = _accepted_prefix(draft_tokens == best[:, :-1], draft_lens)
+    return VerifyResult(n, best.gather(1, n[:, None]).squeeze(1))
+
+
+def rejection_verify(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_lens: torch.Tensor,  # [B]
+    draft_probs: torch.Tensor | None,  # [B, K, V] q of each drafted position; None = one-hot drafts
+    target_probs: torch.Tensor,  # [B, K + 1, V] p, shaped by the same SamplingParams as plain sampling
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw
+    from norm(max(0, p_i - q_i)); if all are accepted draw the bonus from p_K. A one-hot
+    q (n-gram, any deterministic proposal) gives accept prob p_i(x_i) and residual p_i
+    with x_i removed. The emitted tokens are then distributed exactly as plain sampling.
+    """
+    B, K = draft_tokens.shape
+    dt = target_probs.dtype
+    p_draft = target_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.to(dt).gather(-1, draft_tokens[..., None]).squeeze(-1)
+    u = torch.rand(B, K, generator=generator, device=target_probs.device, dtype=dt)
+    n = _accepted_prefix(u * q_draft < p_draft, draft_lens)  # u < p/q without dividing by q
+    p_next = target_probs.gather(1, n[:, None, None].expand(-1, 1, target_probs.shape[-1])).squeeze(1)  # [B, V]
+    rejected = (n < draft_lens)[:, None]
+    q_next = _q_at(draft_tokens, draft_probs, n, target_probs.shape[-1], dt)  # [B, V]
+    residual = torch.where(rejected, (p_next - q_next).clamp_min(0), p_next)
+    # p == q exactly leaves no residual mass; that rejection has probability 0 and only
+    # float rounding reaches it: fall back to p rather than divide by zero.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_next, residual)
+    return VerifyResult(n, sample(residual / residual.sum(-1, keepdim=True), generator))
+
+
+def _q_at(draft_tokens, draft_probs, n, vocab: int, dt) -> torch.Tensor:
+    """[B, V]: the drafter's q at position n of each row (zeros where n == K, the bonus)."""
+    B, K = draft_tokens.shape
+    if K == 0:
+        return torch.zeros(B, vocab, dtype=dt, device=draft_tokens.device)
+    idx = n.clamp(max=K - 1)
+    in_draft = (n < K)[:, None].to(dt)
+    if draft_probs is None:
+        tok = draft_tokens.gather(1, idx[:, None]).squeeze(1)
+        q = torch.nn.functional.one_hot(tok, vocab).to(dt)
+    else:
+        q = draft_probs.to(dt).gather(1, idx[:, None, None].expand(-1, 1, vocab)).squeeze(1)
+    return q * in_draft

@@ -1,0 +1,34 @@
+"""Tiny random-weight decoders built from a config inside the tests (no files, no network)."""
+from __future__ import annotations
+
+import torch
+
+from forerun.models.config import ModelConfig
+from forerun.models.llama import LlamaForCausalLM
+from forerun.models.loader import finish_model
+
+
+def tiny_config(**over) -> ModelConfig:
+    base = dict(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    base.update(over)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, dtype: str = "float64", logit_scale: float = 1.0, **over) -> LlamaForCausalLM:
+    """Random weights (std 0.2 so outputs depend on context); logit_scale sharpens p."""
+    cfg = tiny_config(**over)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.2)
+        model.lm_head.weight.mul_(logit_scale)
+    model = model.to({"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, torch.float32))
+    return finish_model(model, dtype, "cpu")
