@@ -1,0 +1,86 @@
+"""Greedy speculative decoding emits exactly plain decoding's tokens (tiny float64 models)."""
+import pytest
+
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.llm import LLM
+from forerun.metrics import merge
+from tests.tiny import tiny_model
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return LLM(tiny_model(seed=0))
+
+
+@pytest.fixture(scope="module")
+def plain(verifier):
+    return [o.token_ids for o in verifier.generate(PROMPTS, GREEDY, speculative=None)]
+
+
+def _spec(method, k, verifier):
+    if method == "ngram":
+        return SpeculativeConfig("ngram", k, ngram_max=3)
+    # a different random model (low acceptance) and a truncated copy of the verifier (high acceptance)
+    return SpeculativeConfig("draft_model", k, draft_model=LLM(tiny_model(seed=3)))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_equals_plain(verifier, plain, method, k):
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=_spec(method, k, verifier))
+    assert [o.token_ids for o in outs] == plain
+    st = merge([o.stats for o in outs])
+    assert st.drafted > 0 and st.verifier_forwards < st.generated + 1
+
+
+def test_truncated_copy_drafter_accepts_often(verifier, plain):
+    """The verifier's own first layer + head as a drafter: same vocab, correlated outputs."""
+    import copy
+
+    draft_model = copy.deepcopy(verifier.model)
+    del draft_model.model.layers[1:]
+    spec = SpeculativeConfig("draft_model", 4, draft_model=LLM(draft_model))
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    assert merge([o.stats for o in outs]).accepted > 0
+
+
+def test_self_draft_accepts_everything(verifier, plain):
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig("draft_model", 4, draft_model=verifier))
+    st = merge([o.stats for o in outs])
+    assert [o.token_ids for o in outs] == plain
+    assert st.accepted == st.drafted and st.rejections == 0
+
+
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3), "draft"])
+def test_batched_equals_one_by_one(verifier, spec):
+    if spec == "draft":
+        spec = SpeculativeConfig("draft_model", 3, draft_model=LLM(tiny_model(seed=3)))
+    together = [o.token_ids for o in verifier.generate(PROMPTS, GREEDY, speculative=spec)]
+    alone = [verifier.generate([p], GREEDY, speculative=spec)[0].token_ids for p in PROMPTS]
+    assert together == alone
+
+
+def test_seeded_sampling_is_deterministic(verifier):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=123)
+    spec = SpeculativeConfig("ngram", 3)
+    a = [o.token_ids for o in verifier.generate(PROMPTS, params, speculative=spec)]
+    b = [o.token_ids for o in verifier.generate(PROMPTS, params, speculative=spec)]
+    c = [o.token_ids for o in verifier.generate(PROMPTS, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=124), speculative=spec)]
+    assert a == b and a != c
+
+
+def test_max_tokens_and_eos_are_exact(verifier, plain):
+    out = verifier.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=7), speculative=SpeculativeConfig("ngram", 5))[0]
+    assert out.token_ids == plain[0][:7] and out.finish_reason == "length"
+    eos = plain[0][5]
+    verifier.model.config.eos_token_id.append(eos)
+    try:
+        out = verifier.generate([PROMPTS[0]], GREEDY, speculative=SpeculativeConfig("ngram", 5))[0]
+    finally:
+        verifier.model.config.eos_token_id.remove(eos)
+    first = plain[0].index(eos)
+    assert out.token_ids == plain[0][: first + 1] and out.finish_reason == "stop"

@@ -1,0 +1,36 @@
+import torch
+
+from forerun.kv_cache import KVCache, chain_batch
+
+
+def test_chain_batch_mask_is_causal_by_slot_and_pads_right():
+    b = chain_batch([[5, 6, 7], [8]], [2, 0], [0, 1], torch.device("cpu"))
+    assert b.tokens.tolist() == [[5, 6, 7], [8, 8, 8]]
+    assert b.kv_len == 5
+    m = b.mask[:, 0]
+    assert m[0, 0].tolist() == [True, True, True, False, False]  # query at slot 2 sees slots 0..2
+    assert m[1, 0].tolist() == [True, False, False, False, False]
+
+
+def test_truncate_is_a_length_reset_and_stale_entries_are_overwritten():
+    c = KVCache(1, 1, 1, 8, 2, torch.float32, "cpu")
+    b = chain_batch([[1, 2, 3, 4]], [0], [0], torch.device("cpu"))
+    c.write(0, b, torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2))
+    c.truncate(0, 2)
+    assert c.lengths == [2]
+    b2 = chain_batch([[9]], [2], [0], torch.device("cpu"))
+    c.write(0, b2, torch.full((1, 1, 1, 2), 7.0), torch.full((1, 1, 1, 2), 7.0))
+    assert c.k[0][0, 0, :4, 0].tolist() == [1, 1, 7, 1]  # slot 3 stale until written, masked meanwhile
+
+
+def test_rows_subset_read_and_move_compaction():
+    c = KVCache(2, 3, 1, 6, 1, torch.float64, "cpu")
+    for layer in range(2):
+        c.k[layer][:, 0, :, 0] = torch.arange(18, dtype=torch.float64).view(3, 6)
+        c.v[layer].copy_(c.k[layer])
+    b = chain_batch([[0], [0]], [2, 3], [2, 0], torch.device("cpu"))
+    k, _ = c.read(0, b)
+    assert k[:, 0, :, 0].tolist() == [[12, 13, 14, 15], [0, 1, 2, 3]]
+    c.move(1, [4, 5], [2, 3])  # accepted tree path at slots 4, 5 -> consecutive slots 2, 3
+    assert c.k[1][1, 0, :, 0].tolist() == [6, 7, 10, 11, 10, 11]
+    assert c.v[0][1, 0, :, 0].tolist() == [6, 7, 10, 11, 10, 11]

@@ -1,0 +1,24 @@
+from forerun.drafters.base import DraftRequest
+from forerun.drafters.ngram import NgramDrafter, find_continuation
+
+
+def test_longest_match_first_then_most_recent():
+    toks = [7, 1, 2, 3, 9, 9, 2, 3, 4, 5, 1, 2, 3]
+    # "1 2 3" matches at index 1 (n=3) -> continuation 9 9 ...
+    assert find_continuation(toks, 3, 1, 2) == [9, 9]
+    # n=2 only: "2 3" last seen at index 6 -> 4 5
+    assert find_continuation(toks, 2, 2, 2) == [4, 5]
+
+
+def test_no_match_and_limits():
+    assert find_continuation([1, 2, 3, 4], 3, 1, 5) == []
+    assert find_continuation([1, 1], 2, 1, 5) == [1]  # continuation stops at the end of the text
+    assert find_continuation([5, 6, 5], 2, 1, 0) == []
+    assert find_continuation([5], 2, 1, 3) == []
+
+
+def test_drafter_respects_per_request_k():
+    d = NgramDrafter(3, 1)
+    out = d.propose([DraftRequest(0, [1, 2, 3, 1, 2], 2), DraftRequest(1, [1, 2, 3, 1, 2], 0)], None, None)
+    assert out[0].tokens == [3, 1] and out[0].probs is None
+    assert out[1].tokens == []
