@@ -1,0 +1,317 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face model folder, once.
+
+The rest of forerun only reads HF-style folders (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json). A GGUF holds the same things in llama.cpp's shape: hyperparameters and the
+tokenizer as metadata keys, weights under its own names, often quantised, and q/k rows reordered
+for its RoPE. This module undoes all of that, dequantising every tensor to float32, so no other
+module ever has to know about GGUF.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from forerun.errors import ModelLoadError
+
+# llama.cpp name -> HF name. Per-layer names are `blk.{i}.{key}.weight`.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+# tokenizer.ggml.token_type values (llama.cpp's enum).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write `out_dir` as a HF llama folder holding the GGUF's model and tokenizer; return it.
+
+    The folder appears whole or not at all (written beside it, then renamed), so a crash or a
+    concurrent conversion never leaves a half-written model that looks complete.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = _open_reader(gguf_path)
+    meta = _read_metadata(reader, gguf_path)
+    config = llama_config(meta, reader, gguf_path)
+    tokenizer = build_tokenizer(meta, gguf_path)  # before the slow part: fail fast on a bad vocab
+    tokenizer_config = _tokenizer_config(meta)
+    tensors = _hf_state_dict(reader, config, gguf_path, progress)
+
+    def write(folder: Path) -> None:
+        from safetensors.numpy import save_file
+
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+        tokenizer.save(str(folder / "tokenizer.json"))
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    _write_atomically(out_dir, write)
+    return out_dir
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # bad magic, truncation and garbage surface as assorted numpy/struct errors
+        raise ModelLoadError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from None
+
+
+def _read_metadata(reader, path: Path) -> dict[str, Any]:
+    try:
+        return {name: field.contents() for name, field in reader.fields.items()}
+    except Exception as e:
+        raise ModelLoadError(f"{path}: unreadable GGUF metadata: {e}") from None
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as its shortest decimal (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def llama_config(meta: dict[str, Any], reader, path: Path) -> dict[str, Any]:
+    """The HF config.json for the GGUF's model; ModelLoadError if it is not a plain llama."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (forerun converts 'llama' only)")
+
+    def need(key: str):
+        if f"llama.{key}" not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
+        return meta[f"llama.{key}"]
+
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    names = {t.name for t in reader.tensors}
+    if scaling != "none" or "rope_freqs.weight" in names:
+        raise ModelLoadError(f"{path}: RoPE scaling ({scaling}, rope_freqs) is not supported in GGUF conversion")
+    if "token_embd.weight" not in names:
+        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
+    hidden, n_head = int(need("embedding_length")), int(need("attention.head_count"))
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(embed.shape[1]),  # ne = [hidden, vocab]; llama.vocab_size is optional
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_head)),
+        "head_dim": int(meta.get("llama.attention.key_length", hidden // n_head)),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name for a llama.cpp tensor name, or None if forerun does not know it.
+
+    >>> hf_tensor_name("blk.3.attn_k.weight")
+    'model.layers.3.self_attn.k_proj.weight'
+    """
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match[2] in _LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.weight"
+    return None
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Put a q/k projection's rows back in HF's rotate-half order.
+
+    HF rotates dimension j of a head together with j + head_dim/2; llama.cpp rotates 2j with 2j+1.
+    So llama.cpp's converter interleaves each head's two halves. Reading the rows of each head in
+    pairs and de-interleaving them restores the HF order (head_dim 4: x0 y0 x1 y1 -> x0 x1 y0 y1).
+
+    >>> unpermute_rope_rows(np.array([[0], [10], [1], [11]]), n_heads=1)[:, 0].tolist()
+    [0, 1, 10, 11]
+    """
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    pairs = weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])  # (heads, half, 2, in)
+    return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantize(tensor, path: Path) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except Exception as e:  # an unimplemented quant type, or data cut short
+        raise ModelLoadError(f"{path}: cannot dequantise {tensor.name} ({tensor.tensor_type.name}): {e}") from None
+    expected = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
+    if values.size != int(np.prod(expected)):
+        raise ModelLoadError(f"{path}: tensor {tensor.name} holds {values.size} values, expected {expected}")
+    return np.ascontiguousarray(values.reshape(expected), dtype=np.float32)
+
+
+def _hf_state_dict(reader, config: dict[str, Any], path: Path, progress: bool) -> dict[str, np.ndarray]:
+    from tqdm import tqdm
+
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    state = {}
+    for tensor in tqdm(reader.tensors, desc="GGUF -> safetensors", unit="tensor", disable=not progress):
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a llama model")
+        values = _dequantize(tensor, path)
+        kind = tensor.name.split(".")[-2]
+        if kind in heads:
+            values = unpermute_rope_rows(values, heads[kind])
+        state[name] = values
+    _check_complete(state, config, path)
+    return state
+
+
+def _check_complete(state: dict[str, np.ndarray], config: dict[str, Any], path: Path) -> None:
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    expected |= {
+        f"model.layers.{i}.{hf}.weight" for i in range(config["num_hidden_layers"]) for hf in _LAYER_NAMES.values()
+    }
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} llama tensor(s), e.g. {missing[0]}")
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+def build_tokenizer(meta: dict[str, Any], path: Path):
+    """A `tokenizers.Tokenizer` equal to the byte-level BPE the GGUF describes.
+
+    Control tokens (e.g. <|im_start|>) become special added tokens and user-defined ones plain
+    added tokens, so text containing them maps to one id instead of being split into bytes.
+    BOS is not added here; forerun's Tokenizer adds it when tokenizer_config says add_bos_token.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    try:
+        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # a merge naming an unknown token, or one without a space
+        raise ModelLoadError(f"{path}: inconsistent tokenizer merges in GGUF metadata: {e}") from None
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
+    tokenizer.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    )
+    return tokenizer
+
+
+def _pre_tokenizer(pre: str, path: Path):
+    """How text is cut into words before BPE, from `tokenizer.ggml.pre`.
+
+    "smollm" is GPT-2's split plus every digit on its own, as SmolLM's own tokenizer.json has it
+    (its vocabulary has no multi-digit tokens, so the digit split never changes the ids, but it
+    keeps us honest for text the merges would otherwise join). Other split regexes (llama-bpe,
+    qwen2...) are not implemented: refuse rather than tokenise differently from the model's training.
+    """
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt2"):
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    raise ModelLoadError(f"{path}: pre-tokenizer {pre!r} is not supported (known: default, gpt2, smollm)")
+
+
+def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+    }
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def _write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """Run `write` into a scratch folder beside `out_dir`, then swap it into place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write(scratch)
+        for item in [scratch, *scratch.iterdir()]:  # mkdtemp and safetensors make them private
+            os.chmod(item, 0o755 if item.is_dir() else 0o644)
+        try:
+            os.rename(scratch, out_dir)
+        except OSError:
+            if not out_dir.exists():
+                raise
+            # rename() cannot replace a non-empty folder (an older conversion, or a concurrent one
+            # that finished first): move it aside, put ours in place, then delete it.
+            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out_dir, old)
+            os.rename(scratch, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # a no-op once renamed
