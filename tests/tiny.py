@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+import dataclasses
+
 from forerun.models.config import ModelConfig
 from forerun.models.llama import LlamaForCausalLM
 from forerun.models.loader import finish_model
@@ -32,3 +34,13 @@ def tiny_model(seed: int = 0, dtype: str = "float64", logit_scale: float = 1.0, 
         model.lm_head.weight.mul_(logit_scale)
     model = model.to({"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, torch.float32))
     return finish_model(model, dtype, "cpu")
+
+
+def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """The first `num_layers` layers + final norm + head, sharing the verifier's weights."""
+    cfg = dataclasses.replace(model.config, num_hidden_layers=num_layers)
+    with torch.device("meta"):
+        small = LlamaForCausalLM(cfg)
+    keep = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    small.load_state_dict(keep, strict=False, assign=True)
+    return finish_model(small, "float32" if model.dtype == torch.float32 else "float64", model.device)

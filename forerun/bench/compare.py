@@ -1,0 +1,139 @@
+"""Plain vs speculative decoding, side by side in one process, on a prompt set.
+
+Runs alternate (plain first on even prompts, speculative first on odd ones) so that
+machine noise lands on both. Speedup is summed plain wall time / summed speculative
+wall time, prefill included, as a user would see it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.kv_cache import chain_batch
+from forerun.metrics import SpecStats, merge
+from forerun.prompts import Prompt
+
+
+@dataclass
+class PromptRun:
+    prompt: Prompt
+    ids: list[int]  # the prompt's token ids as fed to the model
+    plain: list[int]  # generated token ids
+    spec: list[int]
+    plain_stats: SpecStats
+    spec_stats: SpecStats
+
+    @property
+    def identical(self) -> bool:
+        return self.plain == self.spec
+
+    def first_divergence(self) -> int | None:
+        for i, (a, b) in enumerate(zip(self.plain, self.spec)):
+            if a != b:
+                return i
+        return None if len(self.plain) == len(self.spec) else min(len(self.plain), len(self.spec))
+
+
+def prompt_ids(llm, prompt: Prompt) -> list[int]:
+    text = llm.apply_chat_template([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
+    return llm._encode_all([text])[0]
+
+
+def run_pair(llm, prompt: Prompt, params: SamplingParams, spec: SpeculativeConfig, spec_first: bool) -> PromptRun:
+    ids = prompt_ids(llm, prompt)
+    order = [spec, None] if spec_first else [None, spec]
+    outs = {}
+    for which in order:
+        outs[which is None] = llm.generate([ids], params, speculative=which)[0]
+    plain, fast = outs[True], outs[False]
+    return PromptRun(prompt, ids, plain.token_ids, fast.token_ids, plain.stats, fast.stats)
+
+
+def top2_gap(llm, ids: list[int], generated: list[int], pos: int) -> float:
+    """Verifier's top-1 minus top-2 logit where the plain run chose generated[pos]:
+    a small gap means a near-tie that lower precision can flip."""
+    seq = ids + generated[:pos]
+    model = llm.model
+    with torch.inference_mode():
+        cache = model.new_cache(1, len(seq))
+        last = torch.tensor([[len(seq) - 1]], device=model.device)
+        logits = model(chain_batch([seq], [0], [0], model.device), cache, logits_at=last).logits[0, 0]
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: SpeculativeConfig) -> dict:
+    plain, fast = merge([r.plain_stats for r in runs]), merge([r.spec_stats for r in runs])
+    t_plain = sum(r.plain_stats.prefill_time + r.plain_stats.decode_time for r in runs)
+    t_spec = sum(r.spec_stats.prefill_time + r.spec_stats.decode_time for r in runs)
+    matches = [r.identical for r in runs]
+    return {
+        "method": spec.method,
+        "k": spec.num_speculative_tokens,
+        "dtype": llm.dtype,
+        "n_prompts": len(runs),
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "autoregressive": _side(plain),
+        "speculative": {
+            **_side(fast),
+            "acceptance_rate": fast.acceptance_rate,
+            "mean_accepted_length": fast.mean_accepted_length,
+            "drafted": fast.drafted,
+            "accepted": fast.accepted,
+            "accepted_at_position": fast.accepted_at,
+            "draft_time_s": fast.draft_time,
+            "verify_time_s": fast.verify_time,
+        },
+        "speedup": t_plain / t_spec if t_spec > 0 else None,
+        "identical": all(matches) if params.greedy else None,
+        "match_share": sum(matches) / len(runs) if params.greedy and runs else None,
+        "divergences": _divergences(llm, runs) if params.greedy else [],
+        "per_prompt": [_row(r) for r in runs],
+    }
+
+
+def _side(s: SpecStats) -> dict:
+    return {
+        "tokens_per_s": s.tokens_per_s,
+        "decode_tokens_per_s": s.decode_tokens_per_s,
+        "generated_tokens": s.generated,
+        "verifier_forwards": s.verifier_forwards,
+        "prefill_time_s": s.prefill_time,
+        "decode_time_s": s.decode_time,
+    }
+
+
+def _divergences(llm, runs: list[PromptRun]) -> list[dict]:
+    out = []
+    for r in runs:
+        pos = r.first_divergence()
+        if pos is not None and pos < len(r.plain):
+            out.append({"id": r.prompt.id, "position": pos, "top2_logit_gap": top2_gap(llm, r.ids, r.plain, pos)})
+    return out
+
+
+def _row(r: PromptRun) -> dict:
+    return {
+        "id": r.prompt.id,
+        "category": r.prompt.category,
+        "prompt_tokens": len(r.ids),
+        "plain_tokens_per_s": r.plain_stats.tokens_per_s,
+        "spec_tokens_per_s": r.spec_stats.tokens_per_s,
+        "acceptance_rate": r.spec_stats.acceptance_rate,
+        "mean_accepted_length": r.spec_stats.mean_accepted_length,
+        "identical": r.identical,
+    }
+
+
+def top1_agreement(model_a, model_b, ids: list[int]) -> float:
+    """Share of positions where two models' argmax agree on one fixed text (teacher forced)."""
+    with torch.inference_mode():
+        preds = []
+        for m in (model_a, model_b):
+            cache = m.new_cache(1, len(ids))
+            preds.append(m(chain_batch([ids], [0], [0], m.device), cache).logits[0].argmax(-1))
+    return float((preds[0] == preds[1]).double().mean())
+

@@ -1,0 +1,157 @@
+"""`forerun generate` and `forerun compare`. User errors print one line, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from forerun.errors import ForerunError
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain how it works."
+FIXED_TEXT = (
+    "Speculative decoding lets a cheap drafter propose several tokens that the large model then checks "
+    "in a single forward pass. def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+)
+
+
+def _common(p: argparse.ArgumentParser):
+    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
+    p.add_argument("--method", default="ngram", help="drafter: ngram, draft_model, or none for plain decoding")
+    p.add_argument("--k", type=int, default=5, help="speculative tokens per step")
+    p.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forerun", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream one completion, then plain vs speculative stats")
+    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    g.add_argument("--raw", action="store_true", help="feed the prompt as is (no chat template)")
+    g.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run used for the speedup line")
+    _common(g)
+    c = sub.add_parser("compare", help="plain vs speculative on a prompt set, alternating runs")
+    c.add_argument("--prompts", default="spec_bench:mt_bench", help="spec_bench[:subtask], humaneval, svamp, vicuna, or a .jsonl path")
+    c.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
+    c.add_argument("--limit", type=int, default=10)
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    _common(c)
+    sub.add_parser("methods", help="list the speculative methods")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "methods":
+            from forerun.drafters import available_methods
+
+            print("\n".join(available_methods()))
+            return 0
+        return {"generate": cmd_generate, "compare": cmd_compare}[args.command](args)
+    except ForerunError as e:
+        print(f"forerun: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _configs(args):
+    from forerun.config import SamplingParams, SpeculativeConfig
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_new_tokens, seed=args.seed,
+    )
+    method = None if args.method in ("none", "plain") else args.method
+    spec = SpeculativeConfig(
+        method=method, num_speculative_tokens=args.k, draft_model=args.draft_model,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+    )
+    return params, spec
+
+
+def _llm(args, spec):
+    from forerun.llm import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, speculative=spec)
+
+
+def cmd_generate(args) -> int:
+    params, spec = _configs(args)
+    llm = _llm(args, spec)
+    prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    out = llm.generate(prompt, params, stream=lambda i, text: print(text, end="", flush=True))[0]
+    print()
+    s = out.stats
+    label = f"{spec.method}, k={spec.num_speculative_tokens}" if spec.enabled else "plain"
+    line = f"[{label}] {s.generated} tokens, {s.tokens_per_s:.1f} tok/s"
+    if spec.enabled:
+        line += f", acceptance {s.acceptance_rate:.1%}, mean accepted length {s.mean_accepted_length:.2f}"
+    if spec.enabled and not args.no_baseline:
+        base = llm.generate(prompt, params, speculative=None)[0]
+        speedup = base.stats.tokens_per_s and s.tokens_per_s / base.stats.tokens_per_s
+        same = "identical" if base.token_ids == out.token_ids else "differs"
+        line = (
+            f"plain {base.stats.tokens_per_s:.1f} tok/s | speculative ({label}) {s.tokens_per_s:.1f} tok/s | "
+            f"speedup {speedup:.2f}x | acceptance {s.acceptance_rate:.1%} | "
+            f"mean accepted length {s.mean_accepted_length:.2f}"
+            + (f" | output {same}" if params.greedy else "")
+        )
+    print(line, file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from tqdm import tqdm
+
+    from forerun.bench.compare import run_pair, summarize
+    from forerun.prompts import load_prompts
+
+    params, spec = _configs(args)
+    if not spec.enabled:
+        raise ForerunError("compare needs a speculative method and --k >= 1")
+    prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)
+    llm = _llm(args, spec)
+    runs = [run_pair(llm, p, params, spec, spec_first=bool(i % 2)) for i, p in enumerate(tqdm(prompts, desc="prompts", file=sys.stderr))]
+    report = {"prompts": args.prompts, **summarize(llm, runs, params, spec)}
+    if args.dtype != "float32":
+        report["top1_agreement_vs_float32"] = _agreement_vs_float32(args, llm)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+    return 0
+
+
+def _agreement_vs_float32(args, llm) -> float:
+    from forerun.bench.compare import top1_agreement
+    from forerun.llm import LLM
+
+    ref = LLM(model=args.model, dtype="float32", speculative=None, progress=False)
+    return top1_agreement(llm.model, ref.model, llm._encode_all([FIXED_TEXT])[0])
+
+
+def _print_report(r: dict):
+    a, s = r["autoregressive"], r["speculative"]
+    print(f"{r['prompts']}: {r['n_prompts']} prompts, {r['method']} k={r['k']}, dtype {r['dtype']}, temperature {r['temperature']}")
+    print(f"  plain        {a['tokens_per_s']:7.2f} tok/s  (decode {a['decode_tokens_per_s']:.2f})")
+    print(f"  speculative  {s['tokens_per_s']:7.2f} tok/s  (decode {s['decode_tokens_per_s']:.2f})")
+    print(f"  speedup {r['speedup']:.2f}x   acceptance {s['acceptance_rate']:.1%}   mean accepted length {s['mean_accepted_length']:.2f}")
+    if r["identical"] is not None:
+        print(f"  identical to plain: {r['identical']}  (match share {r['match_share']:.0%})")
+    for d in r["divergences"]:
+        print(f"    {d['id']}: first differs at token {d['position']}, top-2 logit gap {d['top2_logit_gap']:.4f}")
+    if "top1_agreement_vs_float32" in r:
+        print(f"  top-1 agreement with float32 on a fixed text: {r['top1_agreement_vs_float32']:.1%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

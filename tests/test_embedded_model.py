@@ -1,0 +1,66 @@
+"""The real embedded model (SmolLM2-135M-Instruct, float32): logits vs transformers and
+greedy identity of every drafter. Short generations keep this file around a minute."""
+import pytest
+import torch
+
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.kv_cache import chain_batch
+from forerun.llm import LLM
+from tests.tiny import truncated_copy
+
+CHATS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Summarize: The city council approved the new budget on Tuesday. The budget increases "
+    "funding for parks and public transport, while cutting administrative costs by five percent.",
+    "What is the capital of France? Answer in one sentence.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def llm(embedded_dir):
+    return LLM(model=str(embedded_dir), progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def plain(llm, prompts):
+    return [llm.generate(p, GREEDY, speculative=None)[0].token_ids for p in prompts]
+
+
+def test_logits_match_transformers(llm, embedded_gguf, prompts):
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(embedded_gguf.parent), gguf_file=embedded_gguf.name, dtype=torch.float32
+    ).eval()
+    ids = llm._encode_all([prompts[0]])[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = llm.model(chain_batch([ids], [0], [0], llm.model.device), llm.model.new_cache(1, len(ids))).logits[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-3)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("k", [3, 6])
+def test_ngram_greedy_identity(llm, prompts, plain, k):
+    outs = [llm.generate(p, GREEDY, speculative=SpeculativeConfig("ngram", k))[0] for p in prompts]
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.stats.accepted for o in outs) > 0
+
+
+def test_draft_model_greedy_identity(llm, prompts, plain):
+    """A truncated copy of the verifier (first 8 of 30 layers) drafts; no speed claim."""
+    draft = LLM(truncated_copy(llm.model, 8), tokenizer=llm.tokenizer)
+    outs = [llm.generate(p, GREEDY, speculative=SpeculativeConfig("draft_model", 4, draft_model=draft))[0] for p in prompts]
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.stats.accepted for o in outs) > 0
+
+
+def test_chat_api_and_text(llm, plain):
+    out = llm.chat([{"role": "user", "content": CHATS[2]}], GREEDY)[0]
+    assert out.token_ids == plain[2]
+    assert "Paris" in out.text

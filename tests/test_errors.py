@@ -1,0 +1,108 @@
+"""Bad input: one clear message each, no traceback from the CLI, nothing lost."""
+import json
+
+import pytest
+import torch
+
+from forerun import cli
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.errors import ConfigError, ContextLengthError, ModelLoadError
+from forerun.llm import LLM
+from tests.tiny import tiny_model
+
+
+def _cli_error(capsys, argv) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("forerun: error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--k", "-1"], "num_speculative_tokens"),
+        (["--temperature", "-0.5"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--max-new-tokens", "0"], "max_tokens"),
+        (["--method", "nonsense"], "unknown speculative method"),
+        (["--model", "/no/such/model"], "not found"),
+        (["--model", "/no/such/file.gguf"], "GGUF file not found"),
+    ],
+)
+def test_cli_rejects_bad_parameters(capsys, flags, words):
+    assert words in _cli_error(capsys, ["generate", "hi", *flags])
+
+
+def test_cli_unknown_prompt_set(capsys):
+    assert "unknown" in _cli_error(capsys, ["compare", "--prompts", "nope"]).lower()
+
+
+def test_missing_weights_and_corrupt_files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=2)))
+    with pytest.raises(ModelLoadError, match="no .safetensors"):
+        LLM(model=str(tmp_path), tokenizer=object())
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        LLM(model=str(tmp_path), tokenizer=object())
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(ModelLoadError, match="not a valid model config"):
+        LLM(model=str(tmp_path), tokenizer=object())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(ModelLoadError, match="unsupported model_type"):
+        LLM(model=str(tmp_path), tokenizer=object())
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    with pytest.raises(ModelLoadError):
+        LLM(model=str(bad))
+
+
+def test_draft_model_with_another_vocabulary():
+    verifier = LLM(tiny_model(seed=0, vocab_size=32))
+    draft = LLM(tiny_model(seed=1, vocab_size=48))
+    with pytest.raises(ConfigError, match="vocabulary differs"):
+        verifier.generate([[1, 2]], SamplingParams(max_tokens=2), speculative=SpeculativeConfig("draft_model", 2, draft_model=draft))
+    with pytest.raises(ConfigError, match="needs draft_model"):
+        verifier.generate([[1, 2]], SamplingParams(max_tokens=2), speculative=SpeculativeConfig("draft_model", 2))
+
+
+def test_prompt_longer_than_context():
+    llm = LLM(tiny_model(max_position_embeddings=16))
+    with pytest.raises(ContextLengthError, match="context is 16 tokens"):
+        llm.generate([list(range(16))], SamplingParams(max_tokens=4))
+    # a prompt that fits gets its budget clipped to the context instead of failing
+    out = llm.generate([list(range(12))], SamplingParams(temperature=0, max_tokens=50))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_absurd_values_in_python_api():
+    for bad in (dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_k=-5), dict(max_tokens=0)):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
+    with pytest.raises(ConfigError):
+        SpeculativeConfig("ngram", num_speculative_tokens=1000)
+    with pytest.raises(ConfigError):
+        SpeculativeConfig("ngram", ngram_min=3, ngram_max=2)
+    with pytest.raises(ConfigError):
+        LLM(tiny_model()).generate([[40]], SamplingParams(max_tokens=1))  # id outside the vocabulary
+
+
+def test_token_prompts_without_tokenizer_refuse_text():
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        LLM(tiny_model()).generate("hello")
+
+
+def test_model_state_is_untouched_after_an_error():
+    llm = LLM(tiny_model())
+    before = {k: v.clone() for k, v in llm.model.state_dict().items()}
+    with pytest.raises(ContextLengthError):
+        llm.generate([list(range(20)) * 20], SamplingParams(max_tokens=2))
+    after = llm.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
