@@ -26,6 +26,7 @@ class ForwardBatch:
     rows: list[int]  # [B] cache row of each batch entry
     kv_len: int  # S: this forward reads slots [0, S) of each row
     mask: torch.Tensor  # [B, 1, T, S] bool, True = query may attend to key slot
+    starts: list[int] | None = None  # chains only: row b writes slots starts[b] .. starts[b] + T - 1
 
 
 def chain_batch(
@@ -48,7 +49,7 @@ def chain_batch(
     kv_len = max(starts) + T
     keys = torch.arange(kv_len, device=device)
     mask = (keys[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
-    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask)
+    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask, list(starts))
 
 
 class KVCache:
@@ -77,6 +78,11 @@ class KVCache:
         No bounds check here (it would cost a host sync per layer): `check_fits` runs
         once per forward, before the model is called.
         """
+        if batch.starts is not None and len(batch.rows) == 1:  # one chain: a plain slice copy
+            row, s0, T = batch.rows[0], batch.starts[0], k.shape[2]
+            self.k[layer][row, :, s0 : s0 + T] = k[0]
+            self.v[layer][row, :, s0 : s0 + T] = v[0]
+            return
         rows = torch.tensor(batch.rows, device=k.device)[:, None]  # [B, 1] broadcast with slots
         # Advanced indices (rows, slots) around a slice put their dims first: value [B, T, H, D].
         self.k[layer][rows, :, batch.slots] = k.transpose(1, 2)

@@ -6,7 +6,7 @@ transformers = pytest.importorskip("transformers")
 
 from forerun.kv_cache import chain_batch  # noqa: E402
 from forerun.models.config import ModelConfig  # noqa: E402
-from forerun.models.llama import LlamaForCausalLM  # noqa: E402
+from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict  # noqa: E402
 from forerun.models.loader import finish_model  # noqa: E402
 
 BASE = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -31,7 +31,7 @@ def _pair(case: str):
         for p in hf.parameters():
             p.normal_(0, 0.1)
     ours = LlamaForCausalLM(ModelConfig.from_dict(hf_cfg.to_dict()))
-    ours.load_state_dict(hf.state_dict(), strict=False)
+    ours.load_state_dict(fuse_hf_state_dict(hf.state_dict()))
     return hf, finish_model(ours.double(), "float64", "cpu")
 
 

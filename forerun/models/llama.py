@@ -36,17 +36,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.nh, self.nkv, self.hd = layer, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        # q, k and v in one GEMM (HF's q_proj/k_proj/v_proj are concatenated at load time).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd).transpose(1, 2)
+        q, k, v = qkv.split([self.nh, self.nkv, self.nkv], dim=1)  # (B, nh | nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, batch, k, v)
         keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
@@ -59,12 +56,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up in one GEMM (HF's gate_proj/up_proj concatenated at load time).
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -88,6 +86,21 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def fuse_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> this module's: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj."""
+    fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    out = dict(state)
+    for key in state:
+        for target, parts in fused.items():
+            for suffix in ("weight", "bias"):
+                if key.endswith(f"{parts[0]}.{suffix}"):
+                    prefix = key[: -len(f"{parts[0]}.{suffix}")]
+                    names = [f"{prefix}{p}.{suffix}" for p in parts]
+                    out[f"{prefix}{target}.{suffix}"] = torch.cat([out.pop(n) for n in names])
+    return out
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 from forerun.config import check_dtype
 from forerun.errors import ModelLoadError
 from forerun.models.config import ModelConfig
-from forerun.models.llama import LlamaForCausalLM
+from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict
 from forerun.models.rope import inv_frequencies
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -84,7 +84,7 @@ def load_model(folder: Path, dtype: str = "float32", device: str | torch.device 
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     target = TORCH_DTYPES.get(dtype, torch.float32)
-    state = {k: v.to(target) for k, v in state.items()}
+    state = fuse_hf_state_dict({k: v.to(target) for k, v in state.items()})
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
