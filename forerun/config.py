@@ -57,6 +57,7 @@ class SpeculativeConfig:
     draft_model: path / hub id / "default" for method="draft_model", or an already built LLM-like
         object exposing `.model` and `.tokenizer`.
     ngram_max / ngram_min: the n-gram drafter's match window (longest first).
+    ngram_branches / tree_width: propose token trees instead of chains (see verify.tree_verify).
     """
 
     method: str | None = "ngram"
@@ -65,6 +66,8 @@ class SpeculativeConfig:
     draft_dtype: str | None = None  # default: the verifier's dtype
     ngram_max: int = 4
     ngram_min: int = 1
+    ngram_branches: int = 1  # >1: up to this many distinct n-gram continuations, verified as a tree
+    tree_width: int = 1  # draft_model: >1 candidates for the first drafted position (a tree)
     options: dict = field(default_factory=dict)  # drafter-specific extras, by name
 
     def __post_init__(self):
@@ -75,6 +78,8 @@ class SpeculativeConfig:
             raise ConfigError(f"num_speculative_tokens (k) = {k} is absurd; use at most 64")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.ngram_branches < 1 or self.tree_width < 1:
+            raise ConfigError("ngram_branches and tree_width must be >= 1")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPES:
             raise ConfigError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
 

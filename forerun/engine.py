@@ -16,10 +16,10 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv_cache import KVCache, chain_batch, tree_batch
 from forerun.metrics import SpecStats
 from forerun.sampling import logits_to_probs, make_generator
-from forerun.verify import greedy_verify, rejection_verify
+from forerun.verify import greedy_verify, rejection_verify, tree_verify
 
 PREFILL_TOKEN_BUDGET = 4096  # tokens per prefill forward (rows are grouped up to this)
 
@@ -59,7 +59,7 @@ class GenerateJob:
 @torch.inference_mode()
 def generate(model, job: GenerateJob) -> list[Sequence]:
     seqs = [Sequence(i, list(p), len(p), m) for i, (p, m) in enumerate(zip(job.prompts, job.max_new))]
-    capacity = max(len(s.tokens) + s.max_new for s in seqs) + job.k + 1
+    capacity = max(len(s.tokens) + s.max_new for s in seqs) + _max_draft_nodes(job) + 1
     cache = model.new_cache(len(seqs), capacity)
     generator = make_generator(job.params.seed, model.device)
     t0 = time.perf_counter()
@@ -75,6 +75,13 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     for s in seqs:
         s.stats.prefill_time, s.stats.decode_time = t_prefill, t_decode
     return seqs
+
+
+def _max_draft_nodes(job: GenerateJob) -> int:
+    """Cache slots a draft may occupy beyond the committed tokens (a tree can exceed k)."""
+    if job.drafter is None or job.k == 0:
+        return 0
+    return getattr(job.drafter, "max_draft_nodes", lambda k: k)(job.k)
 
 
 def prefill(model, cache: KVCache, seqs: list[Sequence]):
@@ -99,6 +106,8 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     t0 = time.perf_counter()
     drafts = _propose(active, job, generator)
     t1 = time.perf_counter()
+    if any(d.is_tree for d in drafts):
+        return _tree_step(model, cache, active, drafts, job, generator, t0, t1)
     new = [[s.tokens[-1]] + d.tokens for s, d in zip(active, drafts)]
     batch = chain_batch(new, [len(s.tokens) - 1 for s in active], [s.row for s in active], model.device)
     logits = model(batch, cache).logits  # [B, K + 1, V]
@@ -111,6 +120,35 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
         s.stats.draft_time += t1 - t0
         s.stats.verify_time += t2 - t1
         _commit(s, d.tokens[:n] + [next_tokens[i]], job, cache)
+
+
+def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: float, t1: float):
+    """Score every row's token tree in one forward, keep the accepted path, compact its K/V.
+
+    Node i of a row sits at slot start + 1 + i during the forward; the accepted path is
+    then moved to slots start + 1, start + 2, ... so the cache stays a plain chain.
+    """
+    starts = [len(s.tokens) - 1 for s in active]
+    parents = [[-1] + [p + 1 for p in d.parent_list()] for d in drafts]  # node 0 = pending token
+    new = [[s.tokens[-1]] + d.tokens for s, d in zip(active, drafts)]
+    batch = tree_batch(new, parents, starts, [s.row for s in active], model.device)
+    logits = model(batch, cache).logits  # [B, T, V]
+    greedy = job.params.greedy
+    target = logits if greedy else logits_to_probs(logits, job.params)
+    results = [
+        tree_verify(d.tokens, d.parent_list(), d.probs, target[i, : len(d.tokens) + 1], greedy, generator)
+        for i, d in enumerate(drafts)
+    ]
+    t2 = time.perf_counter()
+    for s, d, start, r in zip(active, drafts, starts, results):
+        src = [start + 1 + n for n in r.path]
+        dst = list(range(start + 1, start + 1 + len(r.path)))
+        if src != dst:
+            cache.move(s.row, src, dst)
+        s.stats.record_step(d.depth(), len(r.path), bonus=r.at_leaf and bool(d.tokens))
+        s.stats.draft_time += t1 - t0
+        s.stats.verify_time += t2 - t1
+        _commit(s, [d.tokens[n] for n in r.path] + [r.next_token], job, cache)
 
 
 def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]:

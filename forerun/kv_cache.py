@@ -110,3 +110,37 @@ class KVCache:
         for kk, vv in zip(self.k, self.v):
             kk[row, :, dst] = kk[row, :, src]
             vv[row, :, dst] = vv[row, :, src]
+
+
+def tree_batch(
+    new_tokens: list[list[int]], parents: list[list[int]], starts: list[int], rows: list[int], device: torch.device
+) -> ForwardBatch:
+    """Row b feeds a token tree: node 0 (the pending token) at slot starts[b], node i at
+    slot starts[b] + i, RoPE position starts[b] + depth(i). parents[b][i] < i, -1 for node 0.
+
+    Each node sees the committed prefix and its own ancestors, nothing else: a chain gives
+    exactly chain_batch's mask. Padding nodes hang off node 0 and nobody sees them.
+    >>> b = tree_batch([[9, 1, 2]], [[-1, 0, 0]], [4], [0], torch.device("cpu"))
+    >>> b.positions.tolist(), b.mask[0, 0, 2].tolist()
+    ([[4, 5, 5]], [True, True, True, True, True, False, True])
+    """
+    T = max(len(t) for t in new_tokens)
+    kv_len = max(starts) + T
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    depth = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, kv_len, dtype=torch.bool)
+    for b, (toks, par, s0) in enumerate(zip(new_tokens, parents, starts)):
+        par = list(par) + [0] * (T - len(toks))
+        toks = list(toks) + [toks[0]] * (T - len(toks))
+        tokens[b] = torch.tensor(toks)
+        mask[b, :, :s0] = True
+        for i in range(T):
+            mask[b, i, s0 + i] = True
+            if i:
+                mask[b, i, s0 : s0 + T] |= mask[b, par[i], s0 : s0 + T]
+                depth[b, i] = depth[b, par[i]] + 1
+    start = torch.tensor(starts)[:, None]
+    slots = start + torch.arange(T)[None, :]
+    return ForwardBatch(
+        tokens.to(device), (start + depth).to(device), slots.to(device), list(rows), kv_len, mask[:, None].to(device)
+    )

@@ -27,8 +27,9 @@ class CompletionOutput:
 class LLM:
     """A verifier model, its tokenizer and a default speculative config.
 
-    model: None (embedded SmolLM2-135M-Instruct), a HF folder, a .gguf file, a hub id,
-    or an already built LlamaForCausalLM (then pass tokenizer= or use token-id prompts).
+    model: None (embedded SmolLM2-135M-Instruct), an embedded model's name ("gemma3-270m"),
+    a HF folder, a .gguf file, a hub id, or an already built decoder module (LlamaForCausalLM,
+    Gemma3ForCausalLM; then pass tokenizer= or use token-id prompts).
     """
 
     def __init__(
@@ -40,10 +41,8 @@ class LLM:
         device: str = "cpu",
         progress: bool = True,
     ):
-        from forerun.models.llama import LlamaForCausalLM
-
         self.dtype = check_dtype(dtype)
-        if isinstance(model, LlamaForCausalLM):
+        if isinstance(model, torch.nn.Module):
             self.model, self.tokenizer = model, tokenizer
         else:
             from forerun.models.loader import load_model, resolve_model_dir

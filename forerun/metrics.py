@@ -37,14 +37,18 @@ class SpecStats:
     def decode_tokens_per_s(self) -> float:
         return self.generated / self.decode_time if self.decode_time > 0 else 0.0
 
-    def record_step(self, draft_len: int, num_accepted: int):
+    def record_step(self, draft_len: int, num_accepted: int, bonus: bool | None = None):
+        """draft_len: tokens the step could accept (a tree's depth); bonus: the step ended
+        past its last candidate (a chain: everything accepted)."""
         self.verifier_forwards += 1
         self.drafted += draft_len
         self.accepted += num_accepted
-        if num_accepted < draft_len:
-            self.rejections += 1
-        elif draft_len > 0:
+        if bonus is None:
+            bonus = draft_len > 0 and num_accepted == draft_len
+        if bonus:
             self.bonus += 1
+        elif draft_len > 0:
+            self.rejections += 1
         while len(self.accepted_at) < draft_len:
             self.accepted_at.append(0)
         for i in range(num_accepted):

@@ -94,3 +94,69 @@ def _q_at(draft_tokens, draft_probs, n, vocab: int, dt) -> torch.Tensor:
     else:
         q = draft_probs.to(dt).gather(1, idx[:, None, None].expand(-1, 1, vocab)).squeeze(1)
     return q * in_draft
+
+
+@dataclass
+class TreeResult:
+    path: list[int]  # accepted node indices, root to leaf (node i = draft token i)
+    next_token: int  # recovered token, or bonus when the walk ended at a leaf
+    at_leaf: bool  # True: every candidate on the path was accepted down to a leaf (bonus)
+
+
+def tree_verify(
+    tokens: list[int],  # [n] draft tokens, parents before children
+    parents: list[int],  # [n] parent index, -1 = the pending token
+    draft_probs: torch.Tensor | None,  # [n, V] q each node was drawn from; None = deterministic
+    target: torch.Tensor,  # [n + 1, V]: row 0 at the pending token, row i + 1 at node i
+    greedy: bool,  # target holds logits (argmax walk) instead of probabilities
+    generator: torch.Generator | None,
+) -> TreeResult:
+    """Walk the tree from the pending token, accepting at most one child per level.
+
+    Greedy: follow the child equal to the verifier's argmax. Sampling, per Draft's rule:
+      deterministic siblings x1..xm (one-hot q): accept x_j with prob r(x_j), else
+        r <- norm(r with x_j removed); this is sampling r by inspection, hence exact;
+      independent siblings drawn from q (SpecInfer's recursive rejection sampling):
+        accept x_j with prob min(1, r(x_j)/q(x_j)), else r <- norm(max(0, r - q)).
+    r starts as p at the node; when every child is rejected, draw from the final r.
+    Per-node control flow: cheap on the CPU; on an accelerator each decision is a sync.
+    """
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path, node = [], -1
+    while True:
+        kids = children.get(node, [])
+        row = target[node + 1]
+        if greedy:
+            best = int(row.argmax())
+            nxt = next((c for c in kids if tokens[c] == best), None)
+            if nxt is None:
+                return TreeResult(path, best, not kids)
+        else:
+            nxt, residual = _pick_child(kids, tokens, draft_probs, row, generator)
+            if nxt is None:
+                return TreeResult(path, int(sample(residual[None], generator)[0]), not kids)
+        path.append(nxt)
+        node = nxt
+
+
+def _pick_child(kids, tokens, draft_probs, p: torch.Tensor, generator):
+    """One level of the walk: (accepted child, None) or (None, residual to sample from)."""
+    r = p / p.sum()
+    for c in kids:
+        x = tokens[c]
+        q = None if draft_probs is None else draft_probs[c].to(r.dtype)
+        u = float(torch.rand((), generator=generator, dtype=torch.float64, device=r.device))
+        q_x = 1.0 if q is None else float(q[x])
+        if u * q_x < float(r[x]):
+            return c, None
+        nxt = r.clone()
+        if q is None:
+            nxt[x] = 0.0
+        else:
+            nxt = (nxt - q).clamp_min(0)
+        if float(nxt.sum()) <= 0:  # only reachable by float rounding (see rejection_verify)
+            nxt = r
+        r = nxt / nxt.sum()
+    return None, r

@@ -25,8 +25,34 @@ class DraftRequest:
 
 @dataclass
 class Draft:
-    tokens: list[int]  # [k_b] proposed continuation, k_b <= request.k (may be empty)
-    probs: torch.Tensor | None = None  # [k_b, V] q the tokens were drawn from; None = one-hot
+    """A chain (parents=None) or a token tree proposed for one row.
+
+    Which acceptance rule is exact depends on how siblings were made, so it is fixed here:
+      probs is None  -> deterministic proposals (n-gram matches, top-k expansions): each
+                        candidate is a one-hot q; siblings must be distinct tokens and are
+                        checked in order against the shrinking residual of p;
+      probs given    -> every child of a node was drawn independently from the same q (its
+                        row in probs); siblings go through recursive rejection sampling.
+    A chain is the one-child-per-node tree, and both rules reduce to the standard one.
+    """
+
+    tokens: list[int]  # [n] drafted tokens; for a tree, parents come before children
+    probs: torch.Tensor | None = None  # [n, V] q each token was drawn from; None = deterministic
+    parents: list[int] | None = None  # [n] parent node index, -1 = the pending token; None = chain
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def parent_list(self) -> list[int]:
+        return list(self.parents) if self.parents is not None else list(range(-1, len(self.tokens) - 1))
+
+    def depth(self) -> int:
+        """Longest root-to-leaf path (the most tokens one step can accept)."""
+        d = [0] * len(self.tokens)
+        for i, p in enumerate(self.parent_list()):
+            d[i] = 1 + (d[p] if p >= 0 else 0)
+        return max(d, default=0)
 
 
 class Drafter(Protocol):
@@ -39,6 +65,9 @@ class Drafter(Protocol):
         self, requests: list[DraftRequest], params: SamplingParams, generator: torch.Generator
     ) -> list[Draft]:
         """One Draft per request, in order. Sample with `generator` only (seeded runs)."""
+
+    # Optional: `max_draft_nodes(k) -> int`, the most tokens one Draft can hold (trees).
+    # The engine sizes the KV cache with it; without it a draft holds at most k tokens.
 
 
 DrafterFactory = Callable[..., Drafter]

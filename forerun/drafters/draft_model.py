@@ -19,11 +19,15 @@ from forerun.sampling import logits_to_probs, sample
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model):
+    def __init__(self, model, tree_width: int = 1):
         self.model = model
+        self.tree_width = tree_width  # >1: extra candidates for the first drafted position
         self.cache = None
         self.synced: dict[int, int] = {}  # row -> committed tokens whose KV is in the draft cache
         self.tail: dict[int, list[int]] = {}  # row -> drafted tokens written right after them
+
+    def max_draft_nodes(self, k: int) -> int:
+        return k + self.tree_width - 1
 
     def start(self, num_rows: int, capacity: int) -> None:
         self.cache = self.model.new_cache(num_rows, capacity)
@@ -45,6 +49,7 @@ class DraftModelDrafter:
     def propose(self, requests: list[DraftRequest], params: SamplingParams, generator) -> list[Draft]:
         live = [r for r in requests if r.k > 0]
         out = {r.row: ([], []) for r in live}  # row -> (drafted tokens, their q rows)
+        siblings: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # row -> extra first tokens
         feeds = [self._catch_up(r) for r in live]
         starts, new = [s for s, _ in feeds], [f for _, f in feeds]
         for step in range(max((r.k for r in live), default=0)):
@@ -52,6 +57,8 @@ class DraftModelDrafter:
             last = torch.tensor([len(f) - 1 for f in new], device=self.model.device)[:, None]
             logits = self.model(batch, self.cache, logits_at=last).logits[:, 0]  # [B, V]
             toks, q = self._pick(logits, params, generator)
+            if step == 0 and self.tree_width > 1:
+                siblings = self._siblings(logits, toks, q, [r.row for r in live], params, generator)
             for i, r in enumerate(live):
                 out[r.row][0].append(toks[i])
                 if q is not None:
@@ -62,7 +69,28 @@ class DraftModelDrafter:
         for r in requests:
             if r.k > 0:  # cache now covers r.tokens, then every drafted token but the last
                 self.synced[r.row], self.tail[r.row] = len(r.tokens), out[r.row][0][:-1]
-        return [Draft(*self._pack(out[r.row])) if r.k > 0 else Draft([], None) for r in requests]
+        drafts = [Draft(*self._pack(out[r.row])) if r.k > 0 else Draft([], None) for r in requests]
+        return [self._with_siblings(d, siblings.get(r.row)) for d, r in zip(drafts, requests)]
+
+    def _siblings(self, logits, first, q, rows, params: SamplingParams, generator):
+        """Extra first-position candidates. Greedy: the next-best distinct tokens (a
+        deterministic tree). Sampling: more independent draws from the same q, duplicates
+        kept, because recursive rejection sampling is exact for i.i.d. siblings only."""
+        w = self.tree_width - 1
+        if params.greedy:
+            top = logits.topk(w + 1, dim=-1).indices[:, 1:].tolist()
+            return {row: (top[i], None) for i, row in enumerate(rows)}
+        extra = torch.multinomial(q, w, replacement=True, generator=generator).tolist()
+        return {row: (extra[i], q[i]) for i, row in enumerate(rows)}
+
+    @staticmethod
+    def _with_siblings(d: Draft, extra) -> Draft:
+        if extra is None or not d.tokens:
+            return d
+        toks, q0 = extra
+        parents = d.parent_list() + [-1] * len(toks)
+        probs = None if d.probs is None else torch.cat([d.probs, q0.expand(len(toks), -1)])
+        return Draft(d.tokens + toks, probs, parents)
 
     def _pick(self, logits, params: SamplingParams, generator):
         if params.greedy:
@@ -94,4 +122,4 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
             "the draft model's vocabulary differs from the verifier's; method 'draft_model' needs the same "
             "tokenizer (cross-tokenizer drafting is not supported yet)"
         )
-    return DraftModelDrafter(draft.model)
+    return DraftModelDrafter(draft.model, spec.tree_width)

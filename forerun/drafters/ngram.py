@@ -36,19 +36,68 @@ def find_continuation(tokens: list[int], n_max: int, n_min: int, k: int) -> list
     return []
 
 
+def find_continuations(tokens: list[int], n_max: int, n_min: int, k: int, branches: int) -> list[list[int]]:
+    """Up to `branches` distinct continuations: longest n first, most recent match first.
+
+    >>> find_continuations([1, 2, 3, 1, 2, 4, 1, 2], 2, 1, 2, 3)
+    [[4, 1], [3, 1]]
+    """
+    if k <= 0 or len(tokens) < 2:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    found: list[list[int]] = []
+    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
+        windows = sliding_window_view(arr[:-1], n)
+        for hit in np.flatnonzero((windows == arr[-n:]).all(axis=1))[::-1]:
+            cont = arr[hit + n : hit + n + k].tolist()
+            if cont not in found:
+                found.append(cont)
+            if len(found) == branches:
+                return found
+    return found
+
+
+def trie(continuations: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Merge continuations into a token tree (tokens, parents); siblings are distinct.
+
+    >>> trie([[4, 1], [3, 1], [4, 2]])
+    ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 0])
+    """
+    tokens, parents, index = [], [], {}
+    for cont in continuations:
+        parent = -1
+        for tok in cont:
+            key = (parent, tok)
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(tok)
+                parents.append(parent)
+            parent = index[key]
+    return tokens, parents
+
+
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, n_max: int = 4, n_min: int = 1):
-        self.n_max, self.n_min = n_max, n_min
+    def __init__(self, n_max: int = 4, n_min: int = 1, branches: int = 1):
+        self.n_max, self.n_min, self.branches = n_max, n_min, branches
+
+    def max_draft_nodes(self, k: int) -> int:
+        return k * self.branches
 
     def start(self, num_rows: int, capacity: int) -> None:
         pass  # stateless: every proposal is recomputed from the committed tokens
 
     def propose(self, requests: list[DraftRequest], params, generator) -> list[Draft]:
-        return [Draft(find_continuation(r.tokens, self.n_max, self.n_min, r.k)) for r in requests]
+        if self.branches == 1:
+            return [Draft(find_continuation(r.tokens, self.n_max, self.n_min, r.k)) for r in requests]
+        out = []
+        for r in requests:
+            tokens, parents = trie(find_continuations(r.tokens, self.n_max, self.n_min, r.k, self.branches))
+            out.append(Draft(tokens, None, parents))  # deterministic siblings: one-hot rule
+        return out
 
 
 @register("ngram")
 def _make(spec, **_) -> NgramDrafter:
-    return NgramDrafter(spec.ngram_max, spec.ngram_min)
+    return NgramDrafter(spec.ngram_max, spec.ngram_min, spec.ngram_branches)

@@ -9,19 +9,25 @@ import torch
 
 from forerun.config import check_dtype
 from forerun.errors import ModelLoadError
-from forerun.models.config import ModelConfig
+from forerun.models.config import GEMMA3, LLAMA_FAMILY, ModelConfig
+from forerun.models.gemma3 import Gemma3ForCausalLM
 from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict
 from forerun.models.rope import inv_frequencies
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+# ModelConfig.model_type -> the decoder class that runs it.
+MODEL_CLASSES = {**dict.fromkeys(LLAMA_FAMILY, LlamaForCausalLM), GEMMA3: Gemma3ForCausalLM}
 
 
 def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
-    """None -> embedded default; a folder; a .gguf (converted once, cached); else a hub id."""
-    if model is None or str(model) == "default":
-        from forerun.embedded import default_model_dir
+    """None -> embedded default; an embedded model's name ("smollm2-135m", "gemma3-270m"); a folder;
+    a .gguf (converted once, cached); else a hub id. (A folder named like an embedded model: ./name.)"""
+    from forerun.embedded import EMBEDDED_MODELS, default_model_dir
 
+    if model is None or str(model) == "default":
         return default_model_dir(progress=progress)
+    if str(model) in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[str(model)](progress=progress)
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -75,16 +81,19 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(folder: Path, dtype: str = "float32", device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def load_model(folder: Path, dtype: str = "float32", device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The decoder class MODEL_CLASSES names for the folder's config.json, loaded and finished."""
     check_dtype(dtype)
     cfg = ModelConfig.from_file(folder / "config.json")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = MODEL_CLASSES[cfg.model_type](cfg)
     state = read_state_dict(folder)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     target = TORCH_DTYPES.get(dtype, torch.float32)
-    state = fuse_hf_state_dict({k: v.to(target) for k, v in state.items()})
+    state = {k: v.to(target) for k, v in state.items()}
+    if isinstance(model, LlamaForCausalLM):
+        state = fuse_hf_state_dict(state)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
@@ -92,13 +101,16 @@ def load_model(folder: Path, dtype: str = "float32", device: str | torch.device 
     return finish_model(model, dtype, device)
 
 
-def finish_model(model: LlamaForCausalLM, dtype: str, device) -> LlamaForCausalLM:
+def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
     """Tie, place, quantise; the common tail of every way of building a model."""
     cfg = model.config
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Built on the meta device, the RoPE buffer holds no data yet: compute it here.
-    model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    # Built on the meta device, the RoPE buffers hold no data yet: compute them here.
+    if isinstance(model, LlamaForCausalLM):
+        model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    else:
+        model.init_rope()
     model = model.to(device)
     if dtype == "int8":
         if torch.device(device).type != "cpu":
