@@ -68,6 +68,9 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_branches: int = 1  # >1: up to this many distinct n-gram continuations, verified as a tree
     tree_width: int = 1  # draft_model: >1 candidates for the first drafted position (a tree)
+    skip_layers: tuple[int, ...] | None = None  # layer_skip: layers to skip (default: the tuned profile)
+    exit_layer: int | None = None  # early_exit: draft with layers [0, exit_layer) (default: half)
+    quant_bits: int = 8  # quantized: weight bits of the self-draft copy
     options: dict = field(default_factory=dict)  # drafter-specific extras, by name
 
     def __post_init__(self):
@@ -78,6 +81,8 @@ class SpeculativeConfig:
             raise ConfigError(f"num_speculative_tokens (k) = {k} is absurd; use at most 64")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.skip_layers is not None:
+            object.__setattr__(self, "skip_layers", tuple(sorted(set(int(i) for i in self.skip_layers))))
         if self.ngram_branches < 1 or self.tree_width < 1:
             raise ConfigError("ngram_branches and tree_width must be >= 1")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPES:

@@ -66,7 +66,7 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     prefill(model, cache, seqs)
     t_prefill = time.perf_counter() - t0
     if job.drafter is not None and job.k > 0:
-        job.drafter.start(len(seqs), capacity)
+        job.drafter.start(len(seqs), capacity, cache)
     active = list(seqs)
     while active:
         step(model, cache, active, job, generator)

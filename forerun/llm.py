@@ -49,6 +49,7 @@ class LLM:
             from forerun.tokenizer import Tokenizer
 
             folder = resolve_model_dir(model, progress=progress)
+            self.source, self.name = folder, folder.name
             self.tokenizer = tokenizer or Tokenizer.from_pretrained(folder)
             self.model = load_model(folder, dtype, device)
         self.speculative = speculative

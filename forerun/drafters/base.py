@@ -14,6 +14,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.errors import ConfigError
+from forerun.kv_cache import KVCache
 
 
 @dataclass
@@ -58,8 +59,11 @@ class Draft:
 class Drafter(Protocol):
     name: str
 
-    def start(self, num_rows: int, capacity: int) -> None:
-        """A new generate call: num_rows sequences, each at most `capacity` tokens long."""
+    def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
+        """A new generate call: num_rows sequences, each at most `capacity` tokens long.
+
+        verifier_cache is the engine's cache; only self-speculative drafters (which run
+        the verifier's own layers) write into it, and only past each row's length."""
 
     def propose(
         self, requests: list[DraftRequest], params: SamplingParams, generator: torch.Generator

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from forerun.config import SamplingParams
+from forerun.kv_cache import KVCache
 from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.errors import ConfigError
 from forerun.kv_cache import chain_batch
@@ -29,7 +30,7 @@ class DraftModelDrafter:
     def max_draft_nodes(self, k: int) -> int:
         return k + self.tree_width - 1
 
-    def start(self, num_rows: int, capacity: int) -> None:
+    def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
         self.cache = self.model.new_cache(num_rows, capacity)
         self.synced, self.tail = {}, {}
 

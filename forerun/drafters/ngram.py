@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from forerun.kv_cache import KVCache
 from forerun.drafters.base import Draft, DraftRequest, register
 
 
@@ -85,7 +86,7 @@ class NgramDrafter:
     def max_draft_nodes(self, k: int) -> int:
         return k * self.branches
 
-    def start(self, num_rows: int, capacity: int) -> None:
+    def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
         pass  # stateless: every proposal is recomputed from the committed tokens
 
     def propose(self, requests: list[DraftRequest], params, generator) -> list[Draft]:

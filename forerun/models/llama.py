@@ -131,18 +131,24 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
 
-    def forward(self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all") -> ModelOutput:
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
+        skip: frozenset[int] = frozenset(),
+    ) -> ModelOutput:
         """Run batch.tokens through every layer, writing K/V into `cache`.
 
         logits_at: "all" (every position), None (no LM head: prefill), or an index tensor
         [B, T'] of positions per row whose logits are wanted.
+        skip: layer indices to leave out (self-speculative drafting); they neither read
+        nor write the cache.
         """
         cache.check_fits(batch)
         x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
         rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, cache)
+        for i, layer in enumerate(self.model.layers):
+            if i not in skip:
+                x = layer(x, cos, sin, batch, cache)
         hidden = self.model.norm(x)
         if logits_at is None:
             return ModelOutput(hidden, None)

@@ -12,6 +12,8 @@ A token's output is then independent of its batch-mates.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -22,7 +24,9 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # [out] per channel
         zero = torch.zeros_like(scale, dtype=torch.long)
-        qw = torch.quantize_per_channel(w, scale, zero, axis=0, dtype=torch.qint8)
+        with warnings.catch_warnings():  # deprecated upstream, still the fast fbgemm path in 2.13
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            qw = torch.quantize_per_channel(w, scale, zero, axis=0, dtype=torch.qint8)
         self._packed = torch.ops.quantized.linear_prepack(qw, None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
