@@ -43,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", type=int, default=10)
     c.add_argument("--json", action="store_true", help="print one JSON object")
     _common(c)
+    t = sub.add_parser("tune-skip", help="search which layers the layer_skip drafter skips; saves a profile")
+    t.add_argument("--model", default=None)
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
+    t.add_argument("--prompts", default="vicuna", help="calibration prompts (default: vicuna, minus Spec-Bench overlaps)")
+    t.add_argument("--data-dir", default=None)
+    t.add_argument("--limit", type=int, default=4)
+    t.add_argument("--k", type=int, default=3)
+    t.add_argument("--max-skip", type=int, default=None, help="largest skip set tried (default: half the layers)")
+    t.add_argument("--confirm", type=int, default=3, help="best estimates confirmed by a timed run")
+    t.add_argument("--max-new-tokens", type=int, default=64)
     sub.add_parser("methods", help="list the speculative methods")
     return parser
 
@@ -55,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print("\n".join(available_methods()))
             return 0
-        return {"generate": cmd_generate, "compare": cmd_compare}[args.command](args)
+        return {"generate": cmd_generate, "compare": cmd_compare, "tune-skip": cmd_tune_skip}[args.command](args)
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)
         return 2
@@ -128,6 +138,45 @@ def cmd_compare(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print_report(report)
+    return 0
+
+
+# Vicuna ids that duplicate Spec-Bench prompts (see the data's SOURCES.md): never tune on them.
+SPEC_BENCH_OVERLAP = {"vicuna/64", "vicuna/67", "vicuna/77"}
+
+
+def cmd_tune_skip(args) -> int:
+    from tqdm import tqdm
+
+    from forerun.bench.compare import prompt_ids
+    from forerun.bench.tune_skip import confirm, search
+    from forerun.config import SamplingParams
+    from forerun.drafters.skip_profile import save_profile
+    from forerun.llm import LLM
+    from forerun.prompts import load_prompts
+
+    llm = LLM(model=args.model, dtype=args.dtype, speculative=None)
+    prompts = [p for p in load_prompts(args.prompts, data_dir=args.data_dir) if p.id not in SPEC_BENCH_OVERLAP][: args.limit]
+    ids = [prompt_ids(llm, p) for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
+    calib = [p + o.token_ids for p, o in zip(ids, llm.generate(ids, greedy, speculative=None))]
+    n = llm.model.config.num_hidden_layers
+    max_skip = args.max_skip or n // 2
+    with tqdm(total=n + max_skip, desc="scoring skip sets", file=sys.stderr) as bar:
+        cands = search(llm, calib, args.k, max_skip, progress=bar.update)
+    best = confirm(llm, ids[:2], cands[: args.confirm], args.k, max_tokens=48)
+    for c in best:
+        print(f"skip {len(c.skip):2d} layers: agreement {c.agreement:.1%}, est {c.est_tokens_per_s:.1f} tok/s, "
+              f"measured speedup {c.measured_speedup:.2f}x  {c.skip}", file=sys.stderr)
+    win = best[0]
+    path = save_profile(llm, {
+        "model": llm.name, "num_hidden_layers": n, "dtype": args.dtype, "k": args.k, "skip": win.skip,
+        "agreement": win.agreement, "est_tokens_per_s": win.est_tokens_per_s,
+        "measured_speedup": win.measured_speedup, "calibration": f"{args.prompts} x{len(prompts)}",
+    })
+    print(f"saved {path}")
+    if win.measured_speedup < 1.0:
+        print("note: no skip set beat plain decoding in the timed run on this machine", file=sys.stderr)
     return 0
 
 

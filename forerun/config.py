@@ -71,6 +71,9 @@ class SpeculativeConfig:
     skip_layers: tuple[int, ...] | None = None  # layer_skip: layers to skip (default: the tuned profile)
     exit_layer: int | None = None  # early_exit: draft with layers [0, exit_layer) (default: half)
     quant_bits: int = 8  # quantized: weight bits of the self-draft copy
+    lookahead_window: int = 5  # lookahead: Jacobi window W (guesses fed per step)
+    lookahead_ngram: int = 3  # lookahead: n-gram size N gathered from the iterations
+    lookahead_pool: int = 4  # lookahead: pool candidates G verified per step
     options: dict = field(default_factory=dict)  # drafter-specific extras, by name
 
     def __post_init__(self):

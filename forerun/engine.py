@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams
-from forerun.drafters.base import Draft, Drafter, DraftRequest
+from forerun.drafters.base import Draft, Drafter, DraftRequest, StepFeedback
 from forerun.kv_cache import KVCache, chain_batch, tree_batch
 from forerun.metrics import SpecStats
 from forerun.sampling import logits_to_probs, make_generator
@@ -113,6 +113,7 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     logits = model(batch, cache).logits  # [B, K + 1, V]
     result = _verify(logits, drafts, job.params, generator)
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
+    _observe(job, active, drafts, logits, [list(range(n)) for n in num_accepted], next_tokens)
     t2 = time.perf_counter()
     for i, (s, d) in enumerate(zip(active, drafts)):
         n = num_accepted[i]
@@ -139,6 +140,7 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         tree_verify(d.tokens, d.parent_list(), d.probs, target[i, : len(d.tokens) + 1], greedy, generator)
         for i, d in enumerate(drafts)
     ]
+    _observe(job, active, drafts, logits, [r.path for r in results], [r.next_token for r in results])
     t2 = time.perf_counter()
     for s, d, start, r in zip(active, drafts, starts, results):
         src = [start + 1 + n for n in r.path]
@@ -149,6 +151,20 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         s.stats.draft_time += t1 - t0
         s.stats.verify_time += t2 - t1
         _commit(s, [d.tokens[n] for n in r.path] + [r.next_token], job, cache)
+
+
+def _observe(job: GenerateJob, active, drafts, logits: torch.Tensor, paths: list[list[int]], nexts: list[int]):
+    """Give drafters that learn from the verifier (lookahead's Jacobi window) what this
+    forward saw: the verifier's argmax at every fed node and the accepted path."""
+    observe = getattr(job.drafter, "observe", None)
+    if observe is None:
+        return
+    best = logits.argmax(-1).tolist()  # [B, T]
+    feedback = [
+        StepFeedback(s.row, len(s.tokens) - 1, d, best[i][: len(d.tokens) + 1], paths[i], nexts[i])
+        for i, (s, d) in enumerate(zip(active, drafts))
+    ]
+    observe(feedback)
 
 
 def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]:

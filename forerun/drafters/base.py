@@ -56,6 +56,18 @@ class Draft:
         return max(d, default=0)
 
 
+@dataclass
+class StepFeedback:
+    """What one verifier forward saw for a row (for drafters with an `observe` method)."""
+
+    row: int
+    pending_pos: int  # position of the pending token that was fed first
+    draft: Draft
+    argmax: list[int]  # [n + 1] verifier argmax at the pending token (0) and at node i (i + 1)
+    accepted: list[int]  # accepted node indices, root to leaf (a chain: 0, 1, ..., n_acc - 1)
+    next_token: int  # the recovered or bonus token committed after them
+
+
 class Drafter(Protocol):
     name: str
 
@@ -72,6 +84,8 @@ class Drafter(Protocol):
 
     # Optional: `max_draft_nodes(k) -> int`, the most tokens one Draft can hold (trees).
     # The engine sizes the KV cache with it; without it a draft holds at most k tokens.
+    # Optional: `observe(feedback: list[StepFeedback])`, called after each verification
+    # (before the accepted tokens are committed), e.g. to update a Jacobi window.
 
 
 DrafterFactory = Callable[..., Drafter]
