@@ -42,8 +42,9 @@ class LLM:
         progress: bool = True,
     ):
         self.dtype = check_dtype(dtype)
-        if isinstance(model, torch.nn.Module):
-            self.model, self.tokenizer = model, tokenizer
+        if isinstance(model, torch.nn.Module):  # an already built forerun decoder
+            self.model, self.tokenizer = model, tokenizer  # dtype then only labels its precision
+            self.source, self.name = None, "in-memory"
         else:
             from forerun.models.loader import load_model, resolve_model_dir
             from forerun.tokenizer import Tokenizer
