@@ -101,6 +101,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self) -> list[str | None]:
+        """The text each id stands for on its own; None for special tokens and for pieces of
+        a multi-byte character (they decode to U+FFFD). Used to match two vocabularies."""
+        texts = self._backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        special = self.special_ids
+        return [None if (i in special or not t or _REPLACEMENT in t) else t for i, t in enumerate(texts)]
+
     def _decide_add_bos(self) -> bool:
         """tokenizer_config's add_bos_token; if it is silent, whether tokenizer.json's
         post-processor prepends BOS (Llama-3 style folders say it only there)."""

@@ -66,7 +66,7 @@ def test_corrupt_gguf(tmp_path):
 def test_draft_model_with_another_vocabulary():
     verifier = LLM(tiny_model(seed=0, vocab_size=32))
     draft = LLM(tiny_model(seed=1, vocab_size=48))
-    with pytest.raises(ConfigError, match="vocabulary differs"):
+    with pytest.raises(ConfigError, match="vocabulary differs from the verifier"):
         verifier.generate([[1, 2]], SamplingParams(max_tokens=2), speculative=SpeculativeConfig("draft_model", 2, draft_model=draft))
     with pytest.raises(ConfigError, match="needs draft_model"):
         verifier.generate([[1, 2]], SamplingParams(max_tokens=2), speculative=SpeculativeConfig("draft_model", 2))

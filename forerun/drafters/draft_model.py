@@ -118,9 +118,15 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
     if src is None:
         raise ConfigError("method 'draft_model' needs draft_model= (a model folder, .gguf, hub id or LLM)")
     draft = src if isinstance(src, LLM) else LLM(model=src, dtype=spec.draft_dtype or verifier.dtype, speculative=None)
-    if _vocab(draft) != _vocab(verifier):
+    if _vocab(draft) == _vocab(verifier):
+        return DraftModelDrafter(draft.model, spec.tree_width)
+    if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
-            "the draft model's vocabulary differs from the verifier's; method 'draft_model' needs the same "
-            "tokenizer (cross-tokenizer drafting is not supported yet)"
+            "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "
+            "them; give both models their tokenizers for cross-tokenizer drafting"
         )
-    return DraftModelDrafter(draft.model, spec.tree_width)
+    if spec.tree_width > 1:
+        raise ConfigError("tree_width > 1 needs a draft model with the verifier's tokenizer")
+    from forerun.drafters.cross_tokenizer import CrossTokenizerDrafter
+
+    return CrossTokenizerDrafter(draft.model, draft.tokenizer, verifier.tokenizer, verifier.model.config.vocab_size)
