@@ -17,7 +17,8 @@ FIXED_TEXT = (
 def _common(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
-    p.add_argument("--method", default="ngram", help="drafter: ngram, draft_model, or none for plain decoding")
+    p.add_argument("--method", default="ngram",
+                   help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead; none = plain")
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -27,6 +28,13 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-branches", type=int, default=1, help="ngram: verify up to N matches as a token tree")
+    p.add_argument("--tree-width", type=int, default=1, help="draft_model: candidates at the first position (a tree)")
+    p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
+    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers")
+    p.add_argument("--lookahead-window", type=int, default=5)
+    p.add_argument("--lookahead-ngram", type=int, default=3)
+    p.add_argument("--lookahead-pool", type=int, default=4)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,9 +91,21 @@ def _configs(args):
     method = None if args.method in ("none", "plain") else args.method
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=args.k, draft_model=args.draft_model,
-        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_branches=args.ngram_branches,
+        tree_width=args.tree_width, skip_layers=_int_list(args.skip_layers), exit_layer=args.exit_layer,
+        lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
+        lookahead_pool=args.lookahead_pool,
     )
     return params, spec
+
+
+def _int_list(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ForerunError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _llm(args, spec):

@@ -86,6 +86,7 @@ def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: Speculat
             "accepted_at_position": fast.accepted_at,
             "draft_time_s": fast.draft_time,
             "verify_time_s": fast.verify_time,
+            "draft_cost_vs_verifier_forward": _draft_cost(plain, fast),
         },
         "speedup": t_plain / t_spec if t_spec > 0 else None,
         "identical": all(matches) if params.greedy else None,
@@ -93,6 +94,13 @@ def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: Speculat
         "divergences": _divergences(llm, runs) if params.greedy else [],
         "per_prompt": [_row(r) for r in runs],
     }
+
+
+def _draft_cost(plain: SpecStats, fast: SpecStats) -> float | None:
+    """Drafter time per step / one plain verifier forward (decode time per plain step)."""
+    if not fast.verifier_forwards or not plain.verifier_forwards or plain.decode_time <= 0:
+        return None
+    return (fast.draft_time / fast.verifier_forwards) / (plain.decode_time / plain.verifier_forwards)
 
 
 def _side(s: SpecStats) -> dict:
