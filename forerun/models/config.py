@@ -116,5 +116,6 @@ def _gemma3_fields(d: dict) -> dict:
                             for i in range(d["num_hidden_layers"])]
     d["layer_types"] = tuple(d["layer_types"])
     if len(d["layer_types"]) != d["num_hidden_layers"]:
-        raise ModelLoadError(f"layer_types lists {len(d['layer_types'])} layers, the model has {d['num_hidden_layers']}")
+        listed, layers = len(d["layer_types"]), d["num_hidden_layers"]
+        raise ModelLoadError(f"layer_types lists {listed} layers, the model has {layers}")
     return d

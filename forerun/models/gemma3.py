@@ -93,7 +93,8 @@ class MLP(nn.Module):
         super().__init__()
         activation = cfg.hidden_activation or "gelu_pytorch_tanh"
         if activation not in _GELU_APPROXIMATION:
-            raise ModelLoadError(f"Gemma hidden_activation {activation!r} is not supported ({sorted(_GELU_APPROXIMATION)})")
+            known = sorted(_GELU_APPROXIMATION)
+            raise ModelLoadError(f"Gemma hidden_activation {activation!r} is not supported ({known})")
         self.approximate = _GELU_APPROXIMATION[activation]
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -181,22 +182,29 @@ class Gemma3ForCausalLM(nn.Module):
         c = self.config
         return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
 
-    def forward(self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all") -> ModelOutput:
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
+        skip: frozenset[int] = frozenset(),
+    ) -> ModelOutput:
         """Run batch.tokens through every layer, writing K/V into `cache`.
 
         logits_at: "all" (every position), None (no LM head: prefill), or an index tensor
         [B, T'] of positions per row whose logits are wanted.
+        skip: layer indices to leave out (self-speculative drafting); they neither read
+        nor write the cache.
         """
         cache.check_fits(batch)
         x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # the scale rounded to the model dtype, as trained
+        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # scale rounded to the model dtype
         ropes, masks = self._ropes(batch, x.dtype), self._masks(batch)
-        for layer in self.model.layers:
-            x = layer(x, ropes[layer.kind], masks[layer.kind], batch, cache)
+        for i, layer in enumerate(self.model.layers):
+            if i not in skip:
+                x = layer(x, ropes[layer.kind], masks[layer.kind], batch, cache)
         hidden = self.model.norm(x)
         if logits_at is None:
             return ModelOutput(hidden, None)
-        h = hidden if isinstance(logits_at, str) else hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
+        at = logits_at
+        h = hidden if isinstance(at, str) else hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = self.lm_head(h)
         logits = logits.float() if logits.dtype == torch.bfloat16 else logits
         return ModelOutput(hidden, softcap(logits, self.config.final_logit_softcapping))

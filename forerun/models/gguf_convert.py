@@ -1,10 +1,10 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model folder, once.
+"""Convert a llama or gemma3 GGUF file into a Hugging Face model folder, once.
 
 The rest of forerun only reads HF-style folders (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json). A GGUF holds the same things in llama.cpp's shape: hyperparameters and the
-tokenizer as metadata keys, weights under its own names, often quantised, and q/k rows reordered
-for its RoPE. This module undoes all of that, dequantising every tensor to float32, so no other
-module ever has to know about GGUF.
+tokenizer as metadata keys, weights under its own names, often quantised, q/k rows reordered for
+its RoPE (llama) or norm weights stored as 1 + w (Gemma). This module undoes all of that,
+dequantising every tensor to float32, so no other module ever has to know about GGUF.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +40,30 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_GEMMA3_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",  # the same GGUF name as llama's, another HF one
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 # tokenizer.ggml.token_type values (llama.cpp's enum).
 _CONTROL, _USER_DEFINED = 3, 4
+_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 
 def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write `out_dir` as a HF llama folder holding the GGUF's model and tokenizer; return it.
+    """Write `out_dir` as a HF folder holding the GGUF's model and tokenizer; return it.
 
     The folder appears whole or not at all (written beside it, then renamed), so a crash or a
     concurrent conversion never leaves a half-written model that looks complete.
@@ -54,16 +71,20 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
     meta = _read_metadata(reader, gguf_path)
-    config = llama_config(meta, reader, gguf_path)
+    arch = _architecture(meta, gguf_path)
+    config = arch.config(meta, reader, gguf_path)
     tokenizer = build_tokenizer(meta, gguf_path)  # before the slow part: fail fast on a bad vocab
     tokenizer_config = _tokenizer_config(meta)
-    tensors = _hf_state_dict(reader, config, gguf_path, progress)
+    generation_config = _generation_config(meta)
+    tensors = _hf_state_dict(reader, arch, config, gguf_path, progress)
 
     def write(folder: Path) -> None:
         from safetensors.numpy import save_file
 
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+        if generation_config:
+            (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
         tokenizer.save(str(folder / "tokenizer.json"))
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
@@ -97,29 +118,37 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def llama_config(meta: dict[str, Any], reader, path: Path) -> dict[str, Any]:
-    """The HF config.json for the GGUF's model; ModelLoadError if it is not a plain llama."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (forerun converts 'llama' only)")
+def _needer(meta: dict[str, Any], arch: str, path: Path) -> Callable[[str], Any]:
+    """need(key) -> meta["{arch}.{key}"], or a ModelLoadError naming the missing key."""
 
     def need(key: str):
-        if f"llama.{key}" not in meta:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
-        return meta[f"llama.{key}"]
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return meta[f"{arch}.{key}"]
 
+    return need
+
+
+def _vocab_rows(reader, path: Path) -> int:
+    """Rows of the embedding (ne = [hidden, vocab]): the vocabulary the model was built with."""
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
+    return int(embed.shape[1])
+
+
+def llama_config(meta: dict[str, Any], reader, path: Path) -> dict[str, Any]:
+    """The HF config.json for a llama GGUF; ModelLoadError for what the conversion cannot express."""
+    need = _needer(meta, "llama", path)
     scaling = meta.get("llama.rope.scaling.type", "none")
     names = {t.name for t in reader.tensors}
     if scaling != "none" or "rope_freqs.weight" in names:
         raise ModelLoadError(f"{path}: RoPE scaling ({scaling}, rope_freqs) is not supported in GGUF conversion")
-    if "token_embd.weight" not in names:
-        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
     hidden, n_head = int(need("embedding_length")), int(need("attention.head_count"))
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(embed.shape[1]),  # ne = [hidden, vocab]; llama.vocab_size is optional
+        "vocab_size": _vocab_rows(reader, path),  # llama.vocab_size is optional
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
@@ -140,20 +169,95 @@ def llama_config(meta: dict[str, Any], reader, path: Path) -> dict[str, Any]:
     }
 
 
+def gemma3_config(meta: dict[str, Any], reader, path: Path) -> dict[str, Any]:
+    """The HF config.json (model_type gemma3_text) for a gemma3 GGUF.
+
+    llama.cpp keeps some Gemma 3 constants in code rather than in the file; absent keys take
+    them: every 6th layer global, the rest sliding; local RoPE base 10000; attention scale
+    head_dim**-0.5, except the 27B (62 layers), which scales by (hidden / heads)**-0.5.
+    """
+    need = _needer(meta, "gemma3", path)
+    hidden, n_head, layers = int(need("embedding_length")), int(need("attention.head_count")), int(need("block_count"))
+    head_dim = int(meta.get("gemma3.attention.key_length", 256))
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # newer files: one flag per layer, True = sliding
+        layer_types = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    else:
+        layer_types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(layers)]
+    scaling = meta.get("gemma3.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ModelLoadError(f"{path}: Gemma 3 RoPE scaling {scaling!r} is not supported (none, linear)")
+    rope_scaling = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))} if scaling == "linear" else None
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": _vocab_rows(reader, path),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta.get("gemma3.attention.head_count_kv", n_head)),
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get("gemma3.rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": _f32(meta.get("gemma3.rope.freq_base_swa", 10_000.0)),
+        "rope_scaling": rope_scaling,
+        "sliding_window": int(need("attention.sliding_window")),
+        "layer_types": layer_types,
+        "query_pre_attn_scalar": hidden // n_head if layers == 62 else head_dim,
+        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get("gemma3.attn_logit_softcapping"),
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": "output.weight" not in {t.name for t in reader.tensors},
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """What converting one GGUF architecture takes."""
+
+    config: Callable[[dict[str, Any], Any, Path], dict[str, Any]]  # (meta, reader, path) -> config.json
+    layer_names: dict[str, str]  # llama.cpp per-layer name -> HF name
+    rope_rows_permuted: bool  # llama.cpp interleaved each q/k head's rows for its RoPE (llama only)
+    norm_shift: float  # llama.cpp stores Gemma norm weights as 1 + w: subtract this to get HF's w
+
+
+_ARCHITECTURES = {
+    "llama": _Arch(llama_config, _LAYER_NAMES, rope_rows_permuted=True, norm_shift=0.0),
+    "gemma3": _Arch(gemma3_config, _GEMMA3_LAYER_NAMES, rope_rows_permuted=False, norm_shift=1.0),
+}
+
+
+def _architecture(meta: dict[str, Any], path: Path) -> _Arch:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        known = sorted(_ARCHITECTURES)
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (forerun converts {known})")
+    return _ARCHITECTURES[arch]
+
+
 # --- weights -----------------------------------------------------------------------------------
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
     """HF name for a llama.cpp tensor name, or None if forerun does not know it.
 
     >>> hf_tensor_name("blk.3.attn_k.weight")
     'model.layers.3.self_attn.k_proj.weight'
+    >>> hf_tensor_name("blk.0.ffn_norm.weight", _GEMMA3_LAYER_NAMES)
+    'model.layers.0.pre_feedforward_layernorm.weight'
     """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match[2] in _LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.weight"
+    if match and match[2] in layer_names:
+        return f"model.layers.{match[1]}.{layer_names[match[2]]}.weight"
     return None
 
 
@@ -186,53 +290,76 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     return np.ascontiguousarray(values.reshape(expected), dtype=np.float32)
 
 
-def _hf_state_dict(reader, config: dict[str, Any], path: Path, progress: bool) -> dict[str, np.ndarray]:
+def _hf_state_dict(reader, arch: _Arch, config: dict[str, Any], path: Path, progress: bool) -> dict[str, np.ndarray]:
     from tqdm import tqdm
 
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state = {}
     for tensor in tqdm(reader.tensors, desc="GGUF -> safetensors", unit="tensor", disable=not progress):
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch.layer_names)
         if name is None:
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a llama model")
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {config['model_type']} model")
         values = _dequantize(tensor, path)
         kind = tensor.name.split(".")[-2]
-        if kind in heads:
+        if arch.rope_rows_permuted and kind in heads:
             values = unpermute_rope_rows(values, heads[kind])
+        if arch.norm_shift and kind.endswith("norm"):
+            values = values - np.float32(arch.norm_shift)
         state[name] = values
-    _check_complete(state, config, path)
+    _check_complete(state, arch, config, path)
     return state
 
 
-def _check_complete(state: dict[str, np.ndarray], config: dict[str, Any], path: Path) -> None:
+def _check_complete(state: dict[str, np.ndarray], arch: _Arch, config: dict[str, Any], path: Path) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {
-        f"model.layers.{i}.{hf}.weight" for i in range(config["num_hidden_layers"]) for hf in _LAYER_NAMES.values()
+        f"model.layers.{i}.{hf}.weight" for i in range(config["num_hidden_layers"]) for hf in arch.layer_names.values()
     }
     missing = sorted(expected - state.keys())
     if missing:
-        raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} llama tensor(s), e.g. {missing[0]}")
+        raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} {config['model_type']} tensor(s), e.g. {missing[0]}")
 
 
 # --- tokenizer ---------------------------------------------------------------------------------
 
 
 def build_tokenizer(meta: dict[str, Any], path: Path):
-    """A `tokenizers.Tokenizer` equal to the byte-level BPE the GGUF describes.
+    """A `tokenizers.Tokenizer` equal to the one the GGUF describes: byte-level BPE ("gpt2") or
+    Gemma's SentencePiece BPE ("llama" in a gemma3 file).
 
-    Control tokens (e.g. <|im_start|>) become special added tokens and user-defined ones plain
-    added tokens, so text containing them maps to one id instead of being split into bytes.
-    BOS is not added here; forerun's Tokenizer adds it when tokenizer_config says add_bos_token.
+    Control tokens (e.g. <|im_start|>, <start_of_turn>) become special added tokens and
+    user-defined ones plain added tokens, so text containing them maps to one id instead of being
+    split. A user-defined token the model spells differently (Gemma's runs of spaces, which its
+    BPE sees as runs of "▁") is left to the model. BOS is not added here; forerun's Tokenizer
+    adds it when tokenizer_config says add_bos_token.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    if kind not in _TOKENIZER_MODELS:
+        raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (known: {sorted(_TOKENIZER_MODELS)})")
     tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens")
+    tokenizer, pieces = _TOKENIZER_MODELS[kind](meta, tokens, path)
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False)
+         for t, piece, k in zip(tokens, pieces, types) if k == _USER_DEFINED and t == piece]
+    )
+    return tokenizer
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], path: Path):
+    """GPT-2-style BPE: the file's merges, its pre-tokenizer split; tokens are spelled as stored."""
+    from tokenizers import Tokenizer, decoders, models
+
     merges = meta.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise ModelLoadError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    if merges is None:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks tokenizer.ggml.merges")
     vocab = {token: index for index, token in enumerate(tokens)}
     try:
         pairs = [tuple(merge.split(" ", 1)) for merge in merges]
@@ -241,14 +368,55 @@ def build_tokenizer(meta: dict[str, Any], path: Path):
         raise ModelLoadError(f"{path}: inconsistent tokenizer merges in GGUF metadata: {e}") from None
     tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
     tokenizer.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    return tokenizer, tokens
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], path: Path):
+    """Gemma's SentencePiece BPE: spaces become "▁" (no prefix space), no pre-tokenizer (so the
+    text between added tokens is one BPE word), unknown characters fall back to <0xNN> bytes.
+
+    Only checked for gemma3 files: other SentencePiece models (Llama 2...) add a prefix space and
+    rank merges by score, which is not implemented; refuse rather than tokenise differently.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    arch = meta.get("general.architecture")
+    if arch != "gemma3":
+        raise ModelLoadError(f"{path}: SentencePiece ('llama') tokenizers convert for gemma3 files only, not {arch!r}")
+    # llama.cpp stores Gemma's runs of spaces as real spaces; the BPE only ever sees "▁".
+    pieces = [_SPACE * len(t) if t and set(t) == {" "} else t for t in tokens]
+    vocab = {piece: index for index, piece in enumerate(pieces)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab=vocab, merges=sentencepiece_merges(pieces, vocab), unk_token=None if unk is None else tokens[unk],
+        fuse_unk=True, byte_fallback=True,
     )
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-    )
-    return tokenizer
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer, pieces
+
+
+def sentencepiece_merges(pieces: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (a GGUF lists none), best first.
+
+    SentencePiece BPE repeatedly joins the adjacent pair whose union is the best-ranked piece.
+    Every split of a piece into two pieces is a merge; merges rank by their result's index in
+    the vocabulary, then by the longer left part. That is the order transformers' GGUF loader
+    uses for Gemma (not the file's scores), and tests/test_gemma3.py checks ids against it.
+    >>> sentencepiece_merges(["a", "b", "c", "ab", "abc"], {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4})
+    [('a', 'b'), ('ab', 'c')]
+    """
+    merges = []
+    for piece in pieces:
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+_TOKENIZER_MODELS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}  # tokenizer.ggml.model -> builder
 
 
 def _pre_tokenizer(pre: str, path: Path):
@@ -289,6 +457,17 @@ def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return config
+
+
+def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json for Gemma: a chat turn ends with <end_of_turn>, not <eos>, and HF's
+    Gemma folders stop on both. Empty (no file) for other models."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    if meta.get("general.architecture") != "gemma3" or "<end_of_turn>" not in tokens or eos is None:
+        return {}
+    end_of_turn = tokens.index("<end_of_turn>")
+    return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": [eos, end_of_turn]}
 
 
 # --- writing -----------------------------------------------------------------------------------
