@@ -175,6 +175,8 @@ def cmd_tune_skip(args) -> int:
     from forerun.llm import LLM
     from forerun.prompts import load_prompts
 
+    if min(args.confirm, args.k, args.limit, args.max_new_tokens) < 1:
+        raise ForerunError("--confirm, --k, --limit and --max-new-tokens must be >= 1")
     llm = LLM(model=args.model, dtype=args.dtype, speculative=None)
     prompts = [p for p in load_prompts(args.prompts, data_dir=args.data_dir) if p.id not in SPEC_BENCH_OVERLAP][: args.limit]
     ids = [prompt_ids(llm, p) for p in prompts]

@@ -18,10 +18,9 @@ from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest, StepFeedback
 from forerun.kv_cache import KVCache, chain_batch, tree_batch
 from forerun.metrics import SpecStats
+from forerun.prefill import PrefixWrite, write_prefixes
 from forerun.sampling import logits_to_probs, make_generator
 from forerun.verify import greedy_verify, rejection_verify, tree_verify
-
-PREFILL_TOKEN_BUDGET = 4096  # tokens per prefill forward (rows are grouped up to this)
 
 
 @dataclass
@@ -53,7 +52,7 @@ class GenerateJob:
     k: int = 0
     eos_ids: frozenset[int] = frozenset()
     should_stop: Callable[[int, list[int]], bool] | None = None  # (seq index, generated ids) -> stop?
-    on_tokens: Callable[[int, list[int]], None] | None = None  # streaming: (seq index, new ids)
+    on_tokens: Callable[[int, list[int], bool], None] | None = None  # streaming: (seq index, generated ids, finished)
 
 
 @torch.inference_mode()
@@ -86,19 +85,9 @@ def _max_draft_nodes(job: GenerateJob) -> int:
 
 def prefill(model, cache: KVCache, seqs: list[Sequence]):
     """Write K/V for every prompt token but the last (the first step feeds that one)."""
-    todo = [s for s in seqs if len(s.tokens) > 1]
-    while todo:
-        group, longest = [], 0
-        for s in todo:
-            longest = max(longest, len(s.tokens) - 1)
-            if group and longest * (len(group) + 1) > PREFILL_TOKEN_BUDGET:
-                break
-            group.append(s)
-        batch = chain_batch([s.tokens[:-1] for s in group], [0] * len(group), [s.row for s in group], model.device)
-        model(batch, cache, logits_at=None)
-        for s in group:
-            cache.truncate(s.row, len(s.tokens) - 1)
-        todo = todo[len(group) :]
+    write_prefixes(model, cache, [PrefixWrite(s.row, 0, s.tokens[:-1]) for s in seqs if len(s.tokens) > 1])
+    for s in seqs:
+        cache.truncate(s.row, len(s.tokens) - 1)
 
 
 def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, generator):
@@ -179,10 +168,9 @@ def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, g
     """Pad the drafts to [B, K] and run greedy or rejection verification on the batch."""
     B, T, V = logits.shape
     K, dev = T - 1, logits.device
-    tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
+    padded = [d.tokens + [0] * (K - len(d.tokens)) for d in drafts]  # built on the host: one copy
+    tokens = torch.tensor(padded, dtype=torch.long, device=dev).view(B, K)
     lens = torch.tensor([len(d.tokens) for d in drafts], device=dev)
-    for i, d in enumerate(drafts):
-        tokens[i, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
     if params.greedy:
         return greedy_verify(tokens, lens, logits)
     q = None
@@ -198,9 +186,7 @@ def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, g
 
 def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache):
     """Append emitted tokens one by one until EOS, a stop string or the token budget."""
-    kept = []
     for tok in emitted:
-        kept.append(tok)
         s.tokens.append(tok)
         if tok in job.eos_ids and not job.params.ignore_eos:
             s.finish_reason = "stop"
@@ -212,5 +198,5 @@ def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache):
             break
     s.stats.generated = len(s.generated)
     cache.truncate(s.row, len(s.tokens) - 1)
-    if job.on_tokens is not None and kept:
-        job.on_tokens(s.row, kept)
+    if job.on_tokens is not None:
+        job.on_tokens(s.row, s.generated, s.finish_reason is not None)

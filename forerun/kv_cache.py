@@ -27,6 +27,11 @@ class ForwardBatch:
     kv_len: int  # S: this forward reads slots [0, S) of each row
     mask: torch.Tensor  # [B, 1, T, S] bool, True = query may attend to key slot
     starts: list[int] | None = None  # chains only: row b writes slots starts[b] .. starts[b] + T - 1
+    row_index: torch.Tensor | None = None  # [B] rows on the device, built once per forward
+
+    def __post_init__(self):
+        if self.row_index is None:
+            self.row_index = torch.tensor(self.rows, device=self.tokens.device)
 
 
 def chain_batch(
@@ -66,11 +71,13 @@ class KVCache:
     def num_rows(self) -> int:
         return len(self.lengths)
 
-    def _rows_index(self, rows: list[int]):
-        """A slice when rows are consecutive (no gather copy), else an index tensor."""
+    @staticmethod
+    def _rows_index(batch: ForwardBatch):
+        """A slice when rows are consecutive (no gather copy), else the index tensor."""
+        rows = batch.rows
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return slice(rows[0], rows[0] + len(rows))
-        return torch.tensor(rows, device=self.k[0].device)
+        return batch.row_index
 
     def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor):
         """k, v: [B, H_kv, T, D] for the batch's (rows, slots).
@@ -83,7 +90,7 @@ class KVCache:
             self.k[layer][row, :, s0 : s0 + T] = k[0]
             self.v[layer][row, :, s0 : s0 + T] = v[0]
             return
-        rows = torch.tensor(batch.rows, device=k.device)[:, None]  # [B, 1] broadcast with slots
+        rows = batch.row_index[:, None]  # [B, 1] broadcast with slots
         # Advanced indices (rows, slots) around a slice put their dims first: value [B, T, H, D].
         self.k[layer][rows, :, batch.slots] = k.transpose(1, 2)
         self.v[layer][rows, :, batch.slots] = v.transpose(1, 2)
@@ -94,7 +101,7 @@ class KVCache:
 
     def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [0, S) for the batch's rows: [B, H_kv, S, D] each."""
-        idx = self._rows_index(batch.rows)
+        idx = self._rows_index(batch)
         return self.k[layer][idx, :, : batch.kv_len], self.v[layer][idx, :, : batch.kv_len]
 
     def truncate(self, row: int, length: int):

@@ -11,6 +11,7 @@ from forerun.drafters.base import Drafter, build_drafter
 from forerun.engine import GenerateJob, generate
 from forerun.errors import ConfigError, ContextLengthError
 from forerun.metrics import SpecStats
+from forerun.streaming import TextStream, stop_index
 
 _DEFAULT = object()  # "use the LLM's speculative config"
 
@@ -54,7 +55,7 @@ class LLM:
             self.tokenizer = tokenizer or Tokenizer.from_pretrained(folder)
             self.model = load_model(folder, dtype, device)
         self.speculative = speculative
-        self._drafters: dict[int, tuple[SpeculativeConfig, Drafter]] = {}
+        self._drafter_cache: tuple[SpeculativeConfig, Drafter] | None = None
 
     @property
     def max_context(self) -> int:
@@ -69,7 +70,7 @@ class LLM:
     ) -> list[CompletionOutput]:
         """prompts: a string, a list of strings, or a list of token-id lists (batched together).
 
-        stream(seq_index, text_delta) is called as text is produced.
+        stream(seq_index, text_delta) is called as text becomes final (stop strings excluded).
         """
         params = sampling_params or SamplingParams()
         spec = self.speculative if speculative is _DEFAULT else speculative
@@ -78,9 +79,10 @@ class LLM:
         if spec is not None and spec.enabled:
             job.drafter, job.k = self._drafter(spec), spec.num_speculative_tokens
         if params.stop:
-            job.should_stop = lambda i, gen: _stop_index(self._decode(gen), params.stop) is not None
+            tail = 4 * max(len(x) for x in params.stop) + 8  # tokens enough to spell any stop string
+            job.should_stop = lambda i, gen: stop_index(self._decode(gen[-tail:]), params.stop) is not None
         if stream is not None:
-            job.on_tokens = self._streamer(len(ids), stream)
+            job.on_tokens = TextStream(self._decode, params.stop, stream).update
         return [self._output(s, params) for s in generate(self.model, job)]
 
     def chat(self, messages, sampling_params=None, speculative=_DEFAULT, stream=None) -> list[CompletionOutput]:
@@ -130,31 +132,17 @@ class LLM:
         return frozenset(ids)
 
     def _drafter(self, spec: SpeculativeConfig) -> Drafter:
-        cached = self._drafters.get(id(spec))
-        if cached is None or cached[0] is not spec:
-            cached = (spec, build_drafter(spec.method, spec=spec, verifier=self))
-            self._drafters[id(spec)] = cached
-        return cached[1]
+        """Built once per config object; only the latest is kept (a draft model is big)."""
+        if self._drafter_cache is None or self._drafter_cache[0] is not spec:
+            self._drafter_cache = (spec, build_drafter(spec.method, spec=spec, verifier=self))
+        return self._drafter_cache[1]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _streamer(self, n: int, stream: Callable[[int, str], None]):
-        from forerun.tokenizer import StreamDecoder
-
-        decoders = [StreamDecoder(self.tokenizer) for _ in range(n)] if self.tokenizer else None
-
-        def on_tokens(i: int, new_ids: list[int]):
-            if decoders is not None:
-                text = decoders[i].push(new_ids)
-                if text:
-                    stream(i, text)
-
-        return on_tokens
-
     def _output(self, s, params: SamplingParams) -> CompletionOutput:
         text = self._decode(s.generated)
-        cut = _stop_index(text, params.stop)
+        cut = stop_index(text, params.stop)
         return CompletionOutput(s.tokens[: s.prompt_len], s.generated, text if cut is None else text[:cut], s.finish_reason, s.stats)
 
     def _need_tokenizer(self):
@@ -162,16 +150,8 @@ class LLM:
             raise ConfigError("this LLM has no tokenizer: pass token-id prompts")
 
 
-def _stop_index(text: str, stops) -> int | None:
-    hits = [text.find(s) for s in stops if s in text]
-    return min(hits) if hits else None
-
-
 def _starts_with_special(text: str, tokenizer) -> bool:
     """A chat-templated prompt already carries its BOS; do not add a second one."""
     bos = getattr(tokenizer, "bos_token", None)
     return bool(bos) and text.startswith(bos)
 
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,7 +19,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dt)
-    x = logits.to(dt) / params.temperature
+    x = logits.to(dt)
+    # Shift by the max first: a tiny temperature then sends the rest to -inf, not overflow to inf.
+    x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

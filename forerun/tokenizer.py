@@ -139,45 +139,6 @@ class Tokenizer:
         )
 
 
-class StreamDecoder:
-    """Incremental detokenisation: push ids as they are generated, get back only the new text.
-
-    Decoding ids one by one is wrong twice over: a character can span several byte-level tokens
-    (each alone decodes to '\ufffd'), and some decoders change a token's text depending on what
-    precedes it. So we decode a short window: ids[prefix:] against ids[prefix:read], where `read`
-    marks what was already emitted and `prefix` the emission before it, which gives the decoder its
-    left context. Text ending in '\ufffd' is held back until the character completes (or flush()).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # ids before this are already emitted
-
-    def push(self, token_ids: list[int]) -> str:
-        """Add ids; return the text they complete ("" while a character is still partial)."""
-        self._ids.extend(token_ids)
-        new_text = self._pending()
-        if not new_text or new_text.endswith(_REPLACEMENT):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return new_text
-
-    def flush(self) -> str:
-        """Whatever is still held back (an unfinished character decodes as '\ufffd')."""
-        new_text = self._pending()
-        self._prefix = self._read = len(self._ids)
-        return new_text
-
-    def _pending(self) -> str:
-        window = self._ids[self._prefix :]
-        before = self._tokenizer.decode(window[: self._read - self._prefix], self._skip)
-        after = self._tokenizer.decode(window, self._skip)
-        return after[len(before) :] if len(after) > len(before) else ""
-
-
 def _compile_template(source: str):
     """A jinja2 template in HF's environment: sandboxed, trim/lstrip blocks, loop controls,
     a JSON `tojson` that keeps non-ASCII text, `raise_exception`, `strftime_now`, and the

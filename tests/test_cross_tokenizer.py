@@ -53,3 +53,15 @@ def test_sampling_is_exact_via_vocabulary_intersection(pair):
     st = merge([o.stats for o in outs])
     assert st.accepted > 0 and st.rejections > 0 and st.bonus > 0, st
     assert chi2_pvalue([tuple(o.token_ids) for o in outs], reference) > 1e-3
+
+
+def test_same_tokenizer_with_a_padded_embedding(pair):
+    """Qwen-style: one tokenizer, a draft whose logit width is padded past the vocabulary."""
+    verifier, _ = pair
+    padded = LLM(tiny_model(seed=5, vocab_size=9), tokenizer=VERIFIER_TOK)
+    spec = SpeculativeConfig("draft_model", 3, draft_model=padded)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    plain = verifier.generate(["abcd"], greedy, speculative=None)[0].token_ids
+    assert verifier.generate(["abcd"], greedy, speculative=spec)[0].token_ids == plain
+    sampled = verifier.generate(["abcd"] * 50, SamplingParams(temperature=1.0, max_tokens=5, seed=1), speculative=spec)
+    assert all(max(o.token_ids) < 7 for o in sampled)

@@ -64,3 +64,12 @@ def test_chat_api_and_text(llm, plain):
     out = llm.chat([{"role": "user", "content": CHATS[2]}], GREEDY)[0]
     assert out.token_ids == plain[2]
     assert "Paris" in out.text
+
+
+def test_streamed_text_equals_final_text_with_stop_strings(llm, prompts):
+    pieces = []
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["\n"])
+    out = llm.generate(prompts[0], params, speculative=SpeculativeConfig("ngram", 4),
+                       stream=lambda i, t: pieces.append(t))[0]
+    assert "".join(pieces) == out.text and "\n" not in out.text
+    assert out.finish_reason == "stop" and len(out.token_ids) < 40

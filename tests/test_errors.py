@@ -106,3 +106,24 @@ def test_model_state_is_untouched_after_an_error():
     after = llm.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+
+
+def test_tiny_temperature_is_not_a_crash():
+    out = LLM(tiny_model()).generate([[1, 2, 3]], SamplingParams(temperature=1e-40, max_tokens=5, seed=0))[0]
+    greedy = LLM(tiny_model()).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert out.token_ids == greedy.token_ids
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path):
+    from safetensors.torch import save_file
+
+    cfg = dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 16)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="do not match"):
+        LLM(model=str(tmp_path), tokenizer=object())
+
+
+def test_tune_skip_rejects_zero_confirm(capsys):
+    assert "--confirm" in _cli_error(capsys, ["tune-skip", "--confirm", "0"])

@@ -5,7 +5,8 @@ import shutil
 import pytest
 
 from forerun.errors import ForerunError, ModelLoadError
-from forerun.tokenizer import StreamDecoder, Tokenizer
+from forerun.streaming import TextStream
+from forerun.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -109,22 +110,25 @@ def test_chat_template_matches_transformers(ours, reference, messages):
     assert ours.apply_chat_template(messages, add_generation_prompt=False) == expected
 
 
-def test_stream_decoder_matches_full_decode(ours):
+def test_text_stream_matches_full_decode(ours):
     text = "Zoë says 你好 😀👍🏽 — naïve “quotes” ok"
     ids = ours.encode(text)
     for chunk in (1, 2, 3):
-        stream = StreamDecoder(ours)
-        pieces = [stream.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
-        pieces.append(stream.flush())
+        pieces = []
+        stream = TextStream(ours.decode, (), lambda i, t: pieces.append(t))
+        for end in range(chunk, len(ids) + chunk, chunk):
+            stream.update(0, ids[:end], finished=end >= len(ids))
         assert "".join(pieces) == ours.decode(ids) == text
         assert not any("\ufffd" in piece for piece in pieces)
 
 
-def test_stream_decoder_flushes_an_unfinished_character(ours):
-    stream = StreamDecoder(ours)
-    first_byte_of_emoji = ours.encode("😀")[:1]
-    assert stream.push(first_byte_of_emoji) == ""
-    assert stream.flush() == "\ufffd"
+def test_text_stream_never_emits_a_stop_string(ours):
+    ids = ours.encode("alpha beta\n\ngamma")
+    pieces = []
+    stream = TextStream(ours.decode, ("\n\n",), lambda i, t: pieces.append(t))
+    for end in range(1, len(ids) + 1):
+        stream.update(0, ids[:end], finished=False)
+    assert "".join(pieces) == "alpha beta"
 
 
 def with_config(embedded_dir, folder, tokenizer_config: dict) -> Tokenizer:

@@ -19,6 +19,7 @@ from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
+from forerun.prefill import feed_all_but_last
 from forerun.sampling import logits_to_probs, sample
 
 
@@ -65,7 +66,9 @@ class CrossTokenizerDrafter:
         """Draft up to r.k tokens per row; sampling stops a row when q has no shared mass."""
         out = {r.row: ([], []) for r in live}
         feeds = [self._catch_up(r.row, ctx[r.row]) for r in live]
-        starts, new = [s for s, _ in feeds], [f for _, f in feeds]
+        for r, (start, f) in zip(live, feeds):  # the bulk is written below, before the loop
+            self.fed[r.row] = self.fed[r.row][:start] + f[:-1]
+        starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], feeds)
         for step in range(max((r.k for r in live), default=0)):
             if not live:
                 break

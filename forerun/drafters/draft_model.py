@@ -10,18 +10,19 @@ from __future__ import annotations
 import torch
 
 from forerun.config import SamplingParams
-from forerun.kv_cache import KVCache
 from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.errors import ConfigError
-from forerun.kv_cache import chain_batch
+from forerun.kv_cache import KVCache, chain_batch
+from forerun.prefill import feed_all_but_last
 from forerun.sampling import logits_to_probs, sample
 
 
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, tree_width: int = 1):
+    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None):
         self.model = model
+        self.vocab_size = vocab_size or model.config.vocab_size  # the verifier's logit width
         self.tree_width = tree_width  # >1: extra candidates for the first drafted position
         self.cache = None
         self.synced: dict[int, int] = {}  # row -> committed tokens whose KV is in the draft cache
@@ -51,12 +52,11 @@ class DraftModelDrafter:
         live = [r for r in requests if r.k > 0]
         out = {r.row: ([], []) for r in live}  # row -> (drafted tokens, their q rows)
         siblings: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # row -> extra first tokens
-        feeds = [self._catch_up(r) for r in live]
-        starts, new = [s for s, _ in feeds], [f for _, f in feeds]
+        starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], [self._catch_up(r) for r in live])
         for step in range(max((r.k for r in live), default=0)):
             batch = chain_batch(new, starts, [r.row for r in live], self.model.device)
             last = torch.tensor([len(f) - 1 for f in new], device=self.model.device)[:, None]
-            logits = self.model(batch, self.cache, logits_at=last).logits[:, 0]  # [B, V]
+            logits = fit_vocab(self.model(batch, self.cache, logits_at=last).logits[:, 0], self.vocab_size)  # [B, V]
             toks, q = self._pick(logits, params, generator)
             if step == 0 and self.tree_width > 1:
                 siblings = self._siblings(logits, toks, q, [r.row for r in live], params, generator)
@@ -105,9 +105,22 @@ class DraftModelDrafter:
         return tokens, (torch.stack(q) if q else None)
 
 
-def _vocab(llm) -> dict | int:
-    tok = getattr(llm, "tokenizer", None)
-    return tok.get_vocab() if tok is not None else llm.model.config.vocab_size
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Same tokenizer, different padding of the embedding matrix (e.g. Qwen sizes): ids the
+    verifier lacks get -inf, ids the draft lacks are appended at -inf, so q has p's width."""
+    V = logits.shape[-1]
+    if V > vocab:
+        return logits[..., :vocab]
+    if V < vocab:
+        return torch.nn.functional.pad(logits, (0, vocab - V), value=float("-inf"))
+    return logits
+
+
+def _same_vocab(a, b) -> bool:
+    """Tokenizers decide when both models have one; otherwise the logit widths."""
+    if a.tokenizer is not None and b.tokenizer is not None:
+        return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+    return a.model.config.vocab_size == b.model.config.vocab_size
 
 
 @register("draft_model")
@@ -117,9 +130,14 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
     src = spec.draft_model
     if src is None:
         raise ConfigError("method 'draft_model' needs draft_model= (a model folder, .gguf, hub id or LLM)")
-    draft = src if isinstance(src, LLM) else LLM(model=src, dtype=spec.draft_dtype or verifier.dtype, speculative=None)
-    if _vocab(draft) == _vocab(verifier):
-        return DraftModelDrafter(draft.model, spec.tree_width)
+    if isinstance(src, LLM):
+        draft = src
+    else:
+        draft = LLM(model=src, dtype=spec.draft_dtype or verifier.dtype, speculative=None, device=verifier.model.device)
+    if draft.model.device != verifier.model.device:
+        raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")
+    if _same_vocab(draft, verifier):
+        return DraftModelDrafter(draft.model, spec.tree_width, verifier.model.config.vocab_size)
     if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
             "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from forerun.kv_cache import KVCache
 from forerun.drafters.base import Draft, DraftRequest, register
+from forerun.kv_cache import KVCache
 
 
 def find_continuation(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:

@@ -68,7 +68,10 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
+    except (json.JSONDecodeError, KeyError, AttributeError):
+        raise ModelLoadError(f"{index} is not a valid safetensors index") from None
     files = files or sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no .safetensors weights in {folder}")
@@ -92,9 +95,12 @@ def load_model(folder: Path, dtype: str = "float32", device: str | torch.device 
         state.pop("lm_head.weight", None)
     target = TORCH_DTYPES.get(dtype, torch.float32)
     state = {k: v.to(target) for k, v in state.items()}
-    if isinstance(model, LlamaForCausalLM):
-        state = fuse_hf_state_dict(state)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        if isinstance(model, LlamaForCausalLM):
+            state = fuse_hf_state_dict(state)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except (RuntimeError, KeyError) as e:  # shape mismatches, a missing q/k/v part
+        raise ModelLoadError(f"weights in {folder} do not match its config.json: {str(e).splitlines()[0]}") from None
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ModelLoadError(f"weights in {folder} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")

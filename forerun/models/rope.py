@@ -14,10 +14,13 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv
-    if kind == "linear":
-        return inv / scaling["factor"]
-    if kind == "llama3":
-        return _llama3(inv, scaling)
+    try:
+        if kind == "linear":
+            return inv / scaling["factor"]
+        if kind == "llama3":
+            return _llama3(inv, scaling)
+    except KeyError as e:
+        raise ModelLoadError(f"rope_scaling of type {kind!r} lacks the field {e}") from None
     raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
 
 

@@ -1,0 +1,50 @@
+"""Writing K/V for known tokens (prompts, a drafter's catch-up) in bounded forwards."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forerun.kv_cache import KVCache, chain_batch
+
+PREFILL_TOKEN_BUDGET = 4096  # padded tokens (rows x longest) per forward: bounds the mask and activations
+
+
+@dataclass
+class PrefixWrite:
+    row: int
+    start: int  # first slot to write
+    tokens: list[int]
+
+
+def write_prefixes(model, cache: KVCache, items: list[PrefixWrite], budget: int = PREFILL_TOKEN_BUDGET):
+    """K/V for every item's tokens at slots start, start + 1, ... (no logits computed).
+
+    Long items are cut into chunks of at most `budget` tokens; chunks are grouped into
+    forwards of at most `budget` padded tokens, and a row's chunks always run in order.
+    """
+    pieces = [
+        PrefixWrite(it.row, it.start + off, it.tokens[off : off + budget])
+        for it in items
+        for off in range(0, len(it.tokens), budget)
+    ]
+    while pieces:
+        group, rest, blocked, longest = [], [], set(), 0
+        for p in pieces:
+            wider = max(longest, len(p.tokens))
+            if p.row in blocked or (group and wider * (len(group) + 1) > budget):
+                blocked.add(p.row)  # this row's later chunks must wait for this one
+                rest.append(p)
+                continue
+            group.append(p)
+            blocked.add(p.row)
+            longest = wider
+        batch = chain_batch([p.tokens for p in group], [p.start for p in group], [p.row for p in group], model.device)
+        model(batch, cache, logits_at=None)
+        pieces = rest
+
+
+def feed_all_but_last(model, cache: KVCache, rows: list[int], feeds: list[tuple[int, list[int]]]):
+    """A drafter's catch-up: feeds[i] = (first slot, tokens) for rows[i]. Writes all but the
+    last token of each (a whole prompt on the first step) in budgeted forwards and returns
+    (starts, one-token feeds) for the drafting loop, whose first forward yields logits."""
+    write_prefixes(model, cache, [PrefixWrite(r, s, f[:-1]) for r, (s, f) in zip(rows, feeds) if len(f) > 1])
+    return [s + len(f) - 1 for s, f in feeds], [f[-1:] for _, f in feeds]
