@@ -25,9 +25,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Normalise in float32 at least (bfloat16 variance is too coarse), like the reference.
-        dt = torch.promote_types(x.dtype, torch.float32)
-        h = x.to(dt)
+        if x.dtype in (torch.float32, torch.float64):  # one fused kernel, same math
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Lower precision: normalise in float32 (bfloat16 variance is too coarse), like the reference.
+        h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
@@ -40,7 +41,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache):
+    def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache, bias: torch.Tensor):
+        """bias: [B, 1, T, S] additive mask (0 or -inf) built from batch.mask."""
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd).transpose(1, 2)
         q, k, v = qkv.split([self.nh, self.nkv, self.nkv], dim=1)  # (B, nh | nkv, T, hd)
@@ -48,7 +50,7 @@ class Attention(nn.Module):
         cache.write(self.layer, batch, k, v)
         keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=batch.mask, enable_gqa=self.nkv != self.nh
+            q, keys, values, attn_mask=bias, enable_gqa=self.nkv != self.nh
         )  # (B, nh, T, hd)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
@@ -73,8 +75,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, batch, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+    def forward(self, x, cos, sin, batch, cache, bias):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -144,11 +146,13 @@ class LlamaForCausalLM(nn.Module):
         """
         cache.check_fits(batch)
         x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
+        # SDPA would turn a bool mask into an additive one in every layer: do it once here.
+        bias = torch.zeros(batch.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~batch.mask, float("-inf"))
         rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
         for i, layer in enumerate(self.model.layers):
             if i not in skip:
-                x = layer(x, cos, sin, batch, cache)
+                x = layer(x, cos, sin, batch, cache, bias)
         hidden = self.model.norm(x)
         if logits_at is None:
             return ModelOutput(hidden, None)

@@ -8,7 +8,11 @@ per token without a new kernel:
   2. append one anchor row [1, -1, 0, ...], so the tensor's range is exactly [-1, 1]
      whatever the batch holds -> the kernel's quantisation parameters are constant;
   3. run the int8 GEMM (int32 accumulation: exact) and multiply each row back by its scale.
-A token's output is then independent of its batch-mates.
+A token's output is then independent of its batch-mates *given the same input row*.
+Whole-model identity between scoring one token and several still does not follow: the
+float ops before each linear (attention, norms) differ in the last bits between the two
+shapes, and a last-bit change that flips one rounding moves the value by a whole
+quantisation step. `forerun compare` therefore reports int8's match share, not identity.
 """
 from __future__ import annotations
 
@@ -30,14 +34,15 @@ class Int8Linear(nn.Module):
         self._packed = torch.ops.quantized.linear_prepack(qw, None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        anchor = torch.zeros(1, self.in_features)
+        anchor[0, 0], anchor[0, -1] = 1.0, -1.0
+        self.register_buffer("anchor", anchor, persistent=False)  # pins the tensor range to [-1, 1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # [N, in]
         s = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [N, 1] per-token scale
-        anchor = torch.zeros(1, shape[-1], dtype=x2.dtype, device=x2.device)
-        anchor[0, 0], anchor[0, -1] = 1.0, -1.0
-        xin = torch.cat([x2 / s, anchor], dim=0)  # [N + 1, in], range exactly [-1, 1]
+        xin = torch.cat([x2 / s, self.anchor], dim=0)  # [N + 1, in], range exactly [-1, 1]
         y = torch.ops.quantized.linear_dynamic(xin, self._packed, True)[:-1] * s  # [N, out]
         if self.bias is not None:
             y = y + self.bias
