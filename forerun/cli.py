@@ -15,7 +15,7 @@ FIXED_TEXT = (
 
 
 def _common(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file, hub id, or an embedded name: smollm2-135m (default), gemma3-270m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     p.add_argument("--method", default="ngram",
                    help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead; none = plain")

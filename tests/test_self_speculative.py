@@ -74,6 +74,8 @@ def test_sampling_is_exact(small_vocab, method):
 def test_refusals(verifier):
     with pytest.raises(ConfigError, match="already runs at int8"):
         LLM(tiny_model(dtype="float32"), dtype="int8").generate([[1, 2]], GREEDY, speculative=SPECS["quantized"](2))
+    with pytest.raises(ConfigError, match="int4 self-draft does not pay"):
+        verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("quantized", 2, quant_bits=4))
     with pytest.raises(ConfigError, match="tune-skip"):
         verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("layer_skip", 2))
     with pytest.raises(ConfigError, match="proper subset"):
