@@ -55,12 +55,17 @@ def default_gguf_path() -> Path:
 
 def default_model_dir(progress: bool = True) -> Path:
     """The converted embedded model folder, fetching and converting it on first use."""
-    folder = cache_dir() / "models" / EMBEDDED_MODEL
+    return _converted(EMBEDDED_MODEL, ensure_default_gguf, progress)
+
+
+def _converted(name: str, ensure_gguf, progress: bool) -> Path:
+    """cache/models/<name>, converted once from the GGUF that ensure_gguf(progress) provides."""
+    folder = cache_dir() / "models" / name
     if (folder / "config.json").is_file():  # written last-in-place by an atomic rename
         return folder
     from forerun.models.gguf_convert import convert_gguf_to_hf
 
-    gguf_path = ensure_default_gguf(progress)
+    gguf_path = ensure_gguf(progress)
     _say(f"converting {gguf_path.name} to {folder} (once)", progress)
     return convert_gguf_to_hf(gguf_path, folder, progress=progress)
 
@@ -140,14 +145,7 @@ def gemma3_gguf_path() -> Path:
 
 def gemma3_model_dir(progress: bool = True) -> Path:
     """The converted Gemma 3 270M (base model) folder, fetching and converting it on first use."""
-    folder = cache_dir() / "models" / GEMMA3_MODEL
-    if (folder / "config.json").is_file():  # written last-in-place by an atomic rename
-        return folder
-    from forerun.models.gguf_convert import convert_gguf_to_hf
-
-    gguf_path = ensure_gemma3_gguf(progress)
-    _say(f"converting {gguf_path.name} to {folder} (once)", progress)
-    return convert_gguf_to_hf(gguf_path, folder, progress=progress)
+    return _converted(GEMMA3_MODEL, ensure_gemma3_gguf, progress)
 
 
 def ensure_gemma3_gguf(progress: bool = True) -> Path:

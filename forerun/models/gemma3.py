@@ -21,7 +21,7 @@ from torch import nn
 from forerun.errors import ModelLoadError
 from forerun.kv_cache import ForwardBatch, KVCache
 from forerun.models.config import ModelConfig
-from forerun.models.llama import ModelOutput
+from forerun.models.base import DecoderBase, ModelOutput
 from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -148,7 +148,7 @@ def sliding_mask(batch: ForwardBatch, window: int) -> torch.Tensor:
     return batch.mask & near
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderBase):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.layer_types is None or len(cfg.layer_types) != cfg.num_hidden_layers:
@@ -170,18 +170,6 @@ class Gemma3ForCausalLM(nn.Module):
         self.global_inv_freq = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
         self.local_inv_freq = inv_frequencies(c.head_dim, c.rope_local_base_freq, None).to(self.device)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.norm.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.norm.weight.device
-
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
-        c = self.config
-        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
-
     def forward(
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
         skip: frozenset[int] = frozenset(),
@@ -201,13 +189,8 @@ class Gemma3ForCausalLM(nn.Module):
             if i not in skip:
                 x = layer(x, ropes[layer.kind], masks[layer.kind], batch, cache)
         hidden = self.model.norm(x)
-        if logits_at is None:
-            return ModelOutput(hidden, None)
-        at = logits_at
-        h = hidden if isinstance(at, str) else hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = self.lm_head(h)
-        logits = logits.float() if logits.dtype == torch.bfloat16 else logits
-        return ModelOutput(hidden, softcap(logits, self.config.final_logit_softcapping))
+        logits = self.head(hidden, logits_at)
+        return ModelOutput(hidden, None if logits is None else softcap(logits, self.config.final_logit_softcapping))
 
     def _ropes(self, batch: ForwardBatch, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Layer kind -> (cos, sin) [B, 1, T, hd]: the two kinds rotate with different bases."""

@@ -7,13 +7,12 @@ attention mask (chains, padded batches and token trees alike).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from forerun.kv_cache import ForwardBatch, KVCache
+from forerun.models.base import DecoderBase, ModelOutput
 from forerun.models.config import ModelConfig
 from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
@@ -105,13 +104,7 @@ def fuse_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-@dataclass
-class ModelOutput:
-    hidden: torch.Tensor  # [B, T, hidden_size] after the final norm (what the LM head reads)
-    logits: torch.Tensor | None  # [B, T', vocab] for the requested positions, or None
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderBase):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -120,18 +113,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.norm.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.norm.weight.device
-
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
-        c = self.config
-        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
@@ -154,7 +135,4 @@ class LlamaForCausalLM(nn.Module):
             if i not in skip:
                 x = layer(x, cos, sin, batch, cache, bias)
         hidden = self.model.norm(x)
-        if logits_at is None:
-            return ModelOutput(hidden, None)
-        h = hidden if isinstance(logits_at, str) else hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
-        return ModelOutput(hidden, self.lm_head(h).float() if h.dtype == torch.bfloat16 else self.lm_head(h))
+        return ModelOutput(hidden, self.head(hidden, logits_at))

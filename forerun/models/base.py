@@ -1,0 +1,40 @@
+"""What every forerun decoder shares: its output contract, placement, cache, LM head."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from forerun.kv_cache import KVCache
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # [B, T, hidden_size] after the final norm (what the LM head reads)
+    logits: torch.Tensor | None  # [B, T', vocab] for the requested positions, or None
+
+
+class DecoderBase(nn.Module):
+    """Subclasses define `config`, `model.norm`, `model.embed_tokens`, `lm_head` and forward()."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
+
+    def head(self, hidden: torch.Tensor, logits_at) -> torch.Tensor | None:
+        """Logits at "all" positions, none (None), or an index tensor [B, T'] per row.
+        bfloat16 logits are returned as float32: sampling needs the resolution."""
+        if logits_at is None:
+            return None
+        h = hidden if isinstance(logits_at, str) else hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = self.lm_head(h)
+        return logits.float() if logits.dtype == torch.bfloat16 else logits
