@@ -212,7 +212,7 @@ def _agreement_vs_float32(args, llm) -> float:
     from forerun.llm import LLM
 
     ref = LLM(model=args.model, dtype="float32", speculative=None, progress=False)
-    return top1_agreement(llm.model, ref.model, llm._encode_all([FIXED_TEXT])[0])
+    return top1_agreement(llm.model, ref.model, llm.encode([FIXED_TEXT])[0])
 
 
 def _print_report(r: dict):

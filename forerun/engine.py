@@ -104,12 +104,9 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
     _observe(job, active, drafts, logits, [list(range(n)) for n in num_accepted], next_tokens)
     t2 = time.perf_counter()
-    for i, (s, d) in enumerate(zip(active, drafts)):
-        n = num_accepted[i]
+    for s, d, n, nxt in zip(active, drafts, num_accepted, next_tokens):
         s.stats.record_step(len(d.tokens), n)
-        s.stats.draft_time += t1 - t0
-        s.stats.verify_time += t2 - t1
-        _commit(s, d.tokens[:n] + [next_tokens[i]], job, cache)
+        _commit(s, d.tokens[:n] + [nxt], job, cache, draft_s=t1 - t0, verify_s=t2 - t1)
 
 
 def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: float, t1: float):
@@ -137,9 +134,7 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         if src != dst:
             cache.move(s.row, src, dst)
         s.stats.record_step(d.depth(), len(r.path), bonus=r.at_leaf and bool(d.tokens))
-        s.stats.draft_time += t1 - t0
-        s.stats.verify_time += t2 - t1
-        _commit(s, [d.tokens[n] for n in r.path] + [r.next_token], job, cache)
+        _commit(s, [d.tokens[n] for n in r.path] + [r.next_token], job, cache, draft_s=t1 - t0, verify_s=t2 - t1)
 
 
 def _observe(job: GenerateJob, active, drafts, logits: torch.Tensor, paths: list[list[int]], nexts: list[int]):
@@ -184,8 +179,11 @@ def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, g
     return rejection_verify(tokens, lens, q, logits_to_probs(logits, params), generator)
 
 
-def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache):
-    """Append emitted tokens one by one until EOS, a stop string or the token budget."""
+def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache, draft_s: float, verify_s: float):
+    """Append emitted tokens one by one until EOS, a stop string or the token budget;
+    charge the step's drafting and verification time (shared by the batch) to the row."""
+    s.stats.draft_time += draft_s
+    s.stats.verify_time += verify_s
     for tok in emitted:
         s.tokens.append(tok)
         if tok in job.eos_ids and not job.params.ignore_eos:

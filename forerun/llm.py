@@ -74,7 +74,7 @@ class LLM:
         """
         params = sampling_params or SamplingParams()
         spec = self.speculative if speculative is _DEFAULT else speculative
-        ids = self._encode_all(prompts)
+        ids = self.encode(prompts)
         job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self._eos_ids())
         if spec is not None and spec.enabled:
             job.drafter, job.k = self._drafter(spec), spec.num_speculative_tokens
@@ -95,7 +95,8 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     # -- helpers -----------------------------------------------------------------------
-    def _encode_all(self, prompts) -> list[list[int]]:
+    def encode(self, prompts) -> list[list[int]]:
+        """Validated token ids for a string, a list of strings or token-id lists (as generate takes)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:

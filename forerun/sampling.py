@@ -49,6 +49,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def draw(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor | None]:
+    """A drafter's pick from [B, V] logits: (tokens, q) with q the exact [B, V] distribution
+    the tokens were drawn from, or (argmax tokens, None) when greedy."""
+    if params.greedy:
+        return logits.argmax(-1).tolist(), None
+    q = logits_to_probs(logits, params)
+    return sample(q, generator).tolist(), q
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     if seed is None:

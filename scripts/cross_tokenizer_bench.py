@@ -61,7 +61,7 @@ def main() -> int:
     same = {n: 0 for n in engines}
     prompts = load_prompts("humaneval", limit=args.limit)
     for i, p in enumerate(prompts):
-        ids = verifier._encode_all([p.text])[0]
+        ids = verifier.encode([p.text])[0]
         names = list(engines)
         outs = {}
         for n in names[i % 4:] + names[: i % 4]:

@@ -37,7 +37,7 @@ def test_logits_match_transformers(llm, embedded_gguf, prompts):
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(embedded_gguf.parent), gguf_file=embedded_gguf.name, dtype=torch.float32
     ).eval()
-    ids = llm._encode_all([prompts[0]])[0]
+    ids = llm.encode([prompts[0]])[0]
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     got = llm.model(chain_batch([ids], [0], [0], llm.model.device), llm.model.new_cache(1, len(ids))).logits[0]

@@ -38,7 +38,7 @@ class PromptRun:
 
 def prompt_ids(llm, prompt: Prompt) -> list[int]:
     text = llm.apply_chat_template([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
-    return llm._encode_all([text])[0]
+    return llm.encode([text])[0]
 
 
 def run_pair(llm, prompt: Prompt, params: SamplingParams, spec: SpeculativeConfig, spec_first: bool) -> PromptRun:

@@ -41,6 +41,11 @@ class Draft:
     probs: torch.Tensor | None = None  # [n, V] q each token was drawn from; None = deterministic
     parents: list[int] | None = None  # [n] parent node index, -1 = the pending token; None = chain
 
+    @classmethod
+    def of(cls, tokens: list[int], q_rows: list[torch.Tensor]) -> "Draft":
+        """A chain from drafted tokens and the q row each was drawn from (none when greedy)."""
+        return cls(tokens, torch.stack(q_rows) if q_rows else None)
+
     @property
     def is_tree(self) -> bool:
         return self.parents is not None

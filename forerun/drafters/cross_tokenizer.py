@@ -59,7 +59,7 @@ class CrossTokenizerDrafter:
             if params.greedy:
                 out.append(Draft(self._retokenize(ctx[r.row], toks)[: r.k]) if toks else Draft([]))
             else:
-                out.append(Draft(toks, torch.stack(q)) if toks else Draft([]))
+                out.append(Draft.of(toks, q) if toks else Draft([]))
         return out
 
     def _run(self, live, ctx, params, generator) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
@@ -72,9 +72,8 @@ class CrossTokenizerDrafter:
         for step in range(max((r.k for r in live), default=0)):
             if not live:
                 break
-            batch = chain_batch(new, starts, [r.row for r in live], self.model.device)
-            last = torch.tensor([len(f) - 1 for f in new], device=self.model.device)[:, None]
-            logits = self.model(batch, self.cache, logits_at=last).logits[:, 0]  # [B, V_draft]
+            batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # one token per row
+            logits = self.model(batch, self.cache).logits[:, 0]  # [B, V_draft]
             for r, s, f in zip(live, starts, new):
                 self.fed[r.row] = self.fed[r.row][:s] + f
             picked, feed_ids = self._pick(logits, params, generator)

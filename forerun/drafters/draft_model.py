@@ -14,7 +14,7 @@ from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
-from forerun.sampling import logits_to_probs, sample
+from forerun.sampling import draw
 
 
 class DraftModelDrafter:
@@ -54,12 +54,11 @@ class DraftModelDrafter:
         siblings: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # row -> extra first tokens
         starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], [self._catch_up(r) for r in live])
         for step in range(max((r.k for r in live), default=0)):
-            batch = chain_batch(new, starts, [r.row for r in live], self.model.device)
-            last = torch.tensor([len(f) - 1 for f in new], device=self.model.device)[:, None]
-            logits = fit_vocab(self.model(batch, self.cache, logits_at=last).logits[:, 0], self.vocab_size)  # [B, V]
-            toks, q = self._pick(logits, params, generator)
+            batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # one token per row
+            logits = fit_vocab(self.model(batch, self.cache).logits[:, 0], self.vocab_size)  # [B, V]
+            toks, q = draw(logits, params, generator)
             if step == 0 and self.tree_width > 1:
-                siblings = self._siblings(logits, toks, q, [r.row for r in live], params, generator)
+                siblings = self._siblings(logits, q, [r.row for r in live], params, generator)
             for i, r in enumerate(live):
                 out[r.row][0].append(toks[i])
                 if q is not None:
@@ -70,10 +69,10 @@ class DraftModelDrafter:
         for r in requests:
             if r.k > 0:  # cache now covers r.tokens, then every drafted token but the last
                 self.synced[r.row], self.tail[r.row] = len(r.tokens), out[r.row][0][:-1]
-        drafts = [Draft(*self._pack(out[r.row])) if r.k > 0 else Draft([], None) for r in requests]
+        drafts = [Draft.of(*out[r.row]) if r.k > 0 else Draft([]) for r in requests]
         return [self._with_siblings(d, siblings.get(r.row)) for d, r in zip(drafts, requests)]
 
-    def _siblings(self, logits, first, q, rows, params: SamplingParams, generator):
+    def _siblings(self, logits, q, rows, params: SamplingParams, generator):
         """Extra first-position candidates. Greedy: the next-best distinct tokens (a
         deterministic tree). Sampling: more independent draws from the same q, duplicates
         kept, because recursive rejection sampling is exact for i.i.d. siblings only."""
@@ -92,17 +91,6 @@ class DraftModelDrafter:
         parents = d.parent_list() + [-1] * len(toks)
         probs = None if d.probs is None else torch.cat([d.probs, q0.expand(len(toks), -1)])
         return Draft(d.tokens + toks, probs, parents)
-
-    def _pick(self, logits, params: SamplingParams, generator):
-        if params.greedy:
-            return logits.argmax(-1).tolist(), None
-        q = logits_to_probs(logits, params)  # [B, V]: the exact q each token is drawn from
-        return sample(q, generator).tolist(), q
-
-    @staticmethod
-    def _pack(drafted) -> tuple[list[int], torch.Tensor | None]:
-        tokens, q = drafted
-        return tokens, (torch.stack(q) if q else None)
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
-from forerun.sampling import logits_to_probs, sample
+from forerun.sampling import draw
 
 
 class LayerSkipDrafter:
@@ -41,21 +41,14 @@ class LayerSkipDrafter:
         for step in range(max((r.k for r in live), default=0)):
             batch = chain_batch([[t] for t in feed], pos, [r.row for r in live], self.model.device)
             logits = self.model(batch, self.cache, skip=self.skip).logits[:, 0]  # [B, V]
-            if params.greedy:
-                picked, q = logits.argmax(-1).tolist(), None
-            else:
-                q = logits_to_probs(logits, params)
-                picked = sample(q, generator).tolist()
+            picked, q = draw(logits, params, generator)
             for i, r in enumerate(live):
                 tokens[r.row].append(picked[i])
                 if q is not None:
                     probs[r.row].append(q[i])
             keep = [i for i, r in enumerate(live) if r.k > step + 1]
             live, feed, pos = [live[i] for i in keep], [picked[i] for i in keep], [pos[i] + 1 for i in keep]
-        return [
-            Draft(tokens[r.row], torch.stack(probs[r.row]) if probs.get(r.row) else None) if r.k > 0 else Draft([])
-            for r in requests
-        ]
+        return [Draft.of(tokens[r.row], probs[r.row]) if r.k > 0 else Draft([]) for r in requests]
 
 
 @register("layer_skip")
