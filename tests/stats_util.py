@@ -8,15 +8,12 @@ import torch
 from scipy import stats
 
 from forerun.config import SamplingParams
-from forerun.kv_cache import chain_batch
 from forerun.sampling import logits_to_probs
 
 
 def next_probs(model, prefix: list[int], params: SamplingParams) -> torch.Tensor:
     """p(. | prefix) by a fresh full forward (no speculative machinery involved)."""
-    cache = model.new_cache(1, len(prefix))
-    batch = chain_batch([prefix], [0], [0], model.device)
-    logits = model(batch, cache).logits[0, -1]
+    logits = model.score(prefix, last_only=True)
     return logits_to_probs(logits, params)
 
 

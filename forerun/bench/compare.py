@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.kv_cache import chain_batch
 from forerun.metrics import SpecStats, merge
 from forerun.prompts import Prompt
 
@@ -54,12 +52,7 @@ def run_pair(llm, prompt: Prompt, params: SamplingParams, spec: SpeculativeConfi
 def top2_gap(llm, ids: list[int], generated: list[int], pos: int) -> float:
     """Verifier's top-1 minus top-2 logit where the plain run chose generated[pos]:
     a small gap means a near-tie that lower precision can flip."""
-    seq = ids + generated[:pos]
-    model = llm.model
-    with torch.inference_mode():
-        cache = model.new_cache(1, len(seq))
-        last = torch.tensor([[len(seq) - 1]], device=model.device)
-        logits = model(chain_batch([seq], [0], [0], model.device), cache, logits_at=last).logits[0, 0]
+    logits = llm.model.score(ids + generated[:pos], last_only=True)
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
 
@@ -138,10 +131,6 @@ def _row(r: PromptRun) -> dict:
 
 def top1_agreement(model_a, model_b, ids: list[int]) -> float:
     """Share of positions where two models' argmax agree on one fixed text (teacher forced)."""
-    with torch.inference_mode():
-        preds = []
-        for m in (model_a, model_b):
-            cache = m.new_cache(1, len(ids))
-            preds.append(m(chain_batch([ids], [0], [0], m.device), cache).logits[0].argmax(-1))
+    preds = [m.score(ids).argmax(-1) for m in (model_a, model_b)]
     return float((preds[0] == preds[1]).double().mean())
 

@@ -29,12 +29,7 @@ class Candidate:
 
 
 def _forward_argmax(model, seqs: list[list[int]], skip: frozenset[int]) -> list[torch.Tensor]:
-    out = []
-    with torch.inference_mode():
-        for ids in seqs:
-            cache = model.new_cache(1, len(ids))
-            out.append(model(chain_batch([ids], [0], [0], model.device), cache, skip=skip).logits[0].argmax(-1))
-    return out
+    return [model.score(ids, skip).argmax(-1) for ids in seqs]
 
 
 def _agreement(model, seqs, full: list[torch.Tensor], skip: frozenset[int], starts: list[int]) -> float:

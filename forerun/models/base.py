@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from forerun.kv_cache import KVCache
+from forerun.kv_cache import KVCache, chain_batch
 
 
 @dataclass
@@ -38,3 +38,10 @@ class DecoderBase(nn.Module):
         h = hidden if isinstance(logits_at, str) else hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = self.lm_head(h)
         return logits.float() if logits.dtype == torch.bfloat16 else logits
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], skip: frozenset[int] = frozenset(), last_only: bool = False) -> torch.Tensor:
+        """Teacher-forced logits of one sequence in a fresh cache: [T, V] (or [V] for the last)."""
+        at = torch.tensor([[len(ids) - 1]], device=self.device) if last_only else "all"
+        logits = self(chain_batch([ids], [0], [0], self.device), self.new_cache(1, len(ids)), logits_at=at, skip=skip).logits[0]
+        return logits[0] if last_only else logits
