@@ -28,6 +28,10 @@ class ForwardBatch:
     mask: torch.Tensor  # [B, 1, T, S] bool, True = query may attend to key slot
     starts: list[int] | None = None  # chains only: row b writes slots starts[b] .. starts[b] + T - 1
     row_index: torch.Tensor | None = None  # [B] rows on the device, built once per forward
+    # What `mask` amounts to, so the model can use attention's built-in rules (faster):
+    # "all" = every query sees slots [0, kv_len); "causal" = query i sees slots <= i (every
+    # row starts at slot 0); "mask" = anything else (ragged rows, trees): use `mask`.
+    attention: str = "mask"
 
     def __post_init__(self):
         if self.row_index is None:
@@ -54,7 +58,12 @@ def chain_batch(
     kv_len = max(starts) + T
     keys = torch.arange(kv_len, device=device)
     mask = (keys[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
-    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask, list(starts))
+    # Equal starts: every row has exactly the slots [0, start) committed, so a row's rule is
+    # plain causality (its padding sits after its real queries and nobody sees it).
+    attention = "mask"
+    if len(set(starts)) == 1:
+        attention = "all" if T == 1 else "causal" if starts[0] == 0 else "mask"
+    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask, list(starts), attention=attention)
 
 
 class KVCache:
