@@ -1,17 +1,18 @@
 """int8 linears for the CPU: per-channel weight scales, per-token activation scales.
 
 torch's dynamic int8 linear (fbgemm) picks ONE activation range for the whole input
-tensor, so a token's result depends on the tokens scored beside it: speculative and
-plain decoding would then see different numerics by construction. We make the range
-per token without a new kernel:
+tensor, so a token's result would depend on the tokens scored beside it. We make the
+range per token:
   1. divide each token's row by its own max |x| (every row now spans at most [-1, 1]);
-  2. append one anchor row [1, -1, 0, ...], so the tensor's range is exactly [-1, 1]
-     whatever the batch holds -> the kernel's quantisation parameters are constant;
-  3. run the int8 GEMM (int32 accumulation: exact) and multiply each row back by its scale.
+  2. quantise with the uint8 scale / zero point fbgemm picks for exactly [-1, 1] (for
+     fbgemm itself: append an anchor row [1, -1, 0, ...] so the tensor's range is [-1, 1]);
+  3. int8 GEMM with int32 accumulation (exact) and multiply each row back by its scale.
 A token's output is then independent of its batch-mates *given the same input row*.
-Wide inputs (prefill) go to oneDNN's int8 GEMM instead (AMX/VNNI: 2-4x faster than fbgemm
-at 800 tokens on this CPU, slower at 1): it is fed the very uint8 values fbgemm would have
-made, and int32 accumulation is exact, so both kernels return the same bits (tested).
+
+Three kernels compute those same bits (tested), each where it is fastest on the CPU:
+  - a few tokens (decoding, verifying a draft): forerun's compiled kernel (int8_rows.cpp),
+    one call per linear; falls back to fbgemm where it cannot be built;
+  - many tokens (prefill): oneDNN's int8 GEMM (AMX/VNNI; 2-4x fbgemm at 800 tokens).
 Whole-model identity between scoring one token and several still does not follow: the
 float ops before each linear (attention, norms) differ in the last bits between the two
 shapes, and a last-bit change that flips one rounding moves the value by a whole
@@ -19,79 +20,93 @@ quantisation step. `forerun compare` therefore reports int8's match share, not i
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
 import torch
 from torch import nn
 
+from forerun.models import int8_kernel
+
+WIDE_ROWS = 64  # from this many tokens on, oneDNN's GEMM is the fastest (measured crossover 32-64)
+
 
 class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, use_kernel: bool = True):
         super().__init__()
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # [out] per channel
-        zero = torch.zeros_like(scale, dtype=torch.long)
-        with warnings.catch_warnings():  # deprecated upstream, still the fast fbgemm path in 2.13
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            qw = torch.quantize_per_channel(w, scale, zero, axis=0, dtype=torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(qw, None)
-        self._wide = None  # oneDNN's copy of the same int8 weights, for prefill-sized inputs
-        if _onednn_available():
-            zeros = torch.zeros(qw.shape[0], dtype=torch.int32)
-            self._wide = (torch.ops.onednn.qlinear_prepack(qw.int_repr().contiguous(), None), scale.float(), zeros)
+        with _quiet():  # deprecated upstream, still the fast fbgemm path in 2.13
+            qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), axis=0, dtype=torch.qint8)
+        w8 = qw.int_repr().contiguous()
+        self.register_buffer("weight_int8", w8, persistent=False)  # [out, in]
+        self.register_buffer("weight_scale", scale.float(), persistent=False)  # [out]
+        self.register_buffer("weight_colsum", w8.sum(dim=1, dtype=torch.int32), persistent=False)  # [out]
+        self.register_buffer("weight_zero", torch.zeros_like(w8[:, 0], dtype=torch.int32), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        kernel = int8_kernel.load() if use_kernel else None
+        self._rows = kernel.int8_rows if kernel is not None else None  # the compiled few-token kernel
+        self._packed = None if self._rows else torch.ops.quantized.linear_prepack(qw, None)
+        # The kernel's arguments as a plain tuple: nn.Module attribute lookups cost ~1 us each.
+        # (int8 is a CPU-only path, so these tensors never move.)
+        bias = self.bias.data if self.bias is not None else self.weight_scale[:0]
+        self._rows_args = (self.weight_int8, self.weight_scale, self.weight_colsum, bias, *activation_qparams())
+        self._wide = None
+        if _onednn_available():
+            self._wide = torch.ops.onednn.qlinear_prepack(w8, None)
         anchor = torch.zeros(1, self.in_features)
         anchor[0, 0], anchor[0, -1] = 1.0, -1.0
-        self.register_buffer("anchor", anchor, persistent=False)  # pins the tensor range to [-1, 1]
+        self.register_buffer("anchor", anchor, persistent=False)  # pins fbgemm's tensor range to [-1, 1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Few ops on purpose: at one token per forward this wrapper's op count, not the GEMM,
-        # is most of a layer's time.
+        if self._rows is not None and x.dtype == torch.float32 and (x.numel() < WIDE_ROWS * x.shape[-1] or self._wide is None):
+            return self._rows(x, *self._rows_args)  # the hot path: one call, no other op
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        n = x2.shape[0]
-        s = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [N, 1] per token (vector_norm(inf): 10x slower)
-        if n >= WIDE_ROWS and self._wide is not None:
-            y = self._wide_gemm(x2 / s).mul_(s)
-        else:
-            staged = _staging(self.anchor, n)  # [N + 1, in], last row the anchor: range exactly [-1, 1]
-            torch.div(x2, s, out=staged[:n])
-            y = torch.ops.quantized.linear_dynamic(staged, self._packed, True)[:n].mul_(s)  # [N, out]
+        x2 = x.reshape(-1, shape[-1]).float()
+        y = self._wide_gemm(x2) if x2.shape[0] >= WIDE_ROWS and self._wide is not None else self._fbgemm(x2)
         if self.bias is not None:
             y = y.add_(self.bias)
-        y = y.view(*shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [N, 1] (vector_norm(inf): 10x slower)
+        staged = _staging(self.anchor, n)  # [N + 1, in], last row the anchor
+        torch.div(x, s, out=staged[:n])
+        return torch.ops.quantized.linear_dynamic(staged, self._packed, True)[:n].mul_(s)
 
     def _wide_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] within [-1, 1] -> [N, out], quantised exactly as fbgemm's dynamic path does."""
-        scale, zero = _activation_qparams()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            q = torch.quantize_per_tensor(x, scale, zero, torch.quint8).int_repr()
-        packed, w_scale, w_zero = self._wide
-        return torch.ops.onednn.qlinear_pointwise(
-            q, scale, zero, packed, w_scale, w_zero, None, 1.0, 0, torch.float32, "none", [], ""
+        s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+        scale, zero = activation_qparams()
+        with _quiet():
+            q = torch.quantize_per_tensor(x / s, scale, zero, torch.quint8).int_repr()
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, scale, zero, self._wide, self.weight_scale, self.weight_zero, None, 1.0, 0, torch.float32, "none", [], ""
         )
+        return y.mul_(s)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 per-channel weights, per-token activations"
-
-
-WIDE_ROWS = 64  # from this many tokens on, oneDNN's GEMM beats fbgemm's (measured: 800 tokens 2-4x)
+        kernel = "forerun kernel" if self._rows is not None else "fbgemm"
+        return f"in={self.in_features}, out={self.out_features}, int8 per-channel weights, per-token activations, {kernel}"
 
 
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        yield
+
+
 @functools.cache
-def _activation_qparams() -> tuple[float, int]:
+def activation_qparams() -> tuple[float, int]:
     """The uint8 scale and zero point fbgemm's dynamic linear (reduce_range) picks for an
-    input spanning exactly [-1, 1], as every anchored input does."""
+    input spanning exactly [-1, 1], as every per-token-scaled input does."""
     q = torch.quantize_per_tensor_dynamic(torch.tensor([[1.0, -1.0]]), torch.quint8, True)
     return q.q_scale(), q.q_zero_point()
 
@@ -100,9 +115,9 @@ _STAGED: dict[tuple[int, int], torch.Tensor] = {}  # (in_features, N) -> [N + 1,
 
 
 def _staging(anchor: torch.Tensor, n: int) -> torch.Tensor:
-    """A reusable input buffer whose last row holds the anchor (one op saved per linear).
-    Layers run one after another, so one buffer per (width, N) is enough; wide prefill
-    inputs get a fresh one rather than pinning memory."""
+    """A reusable fbgemm input buffer whose last row holds the anchor (one op saved per call).
+    Layers run one after another, so one buffer per (width, N) is enough; wide inputs get a
+    fresh one rather than pinning memory."""
     key = (anchor.shape[1], n)
     buf = _STAGED.get(key)
     if buf is None or buf.device != anchor.device:

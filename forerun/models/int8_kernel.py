@@ -1,0 +1,50 @@
+"""The compiled int8 kernel for a few tokens per forward (int8_rows.cpp), built on first use.
+
+Decoding at int8 spends most of a layer's time in small ops around the GEMM, not in it;
+this kernel does the per-token scaling, quantisation, int8 dot products and epilogue in
+one call, with the same bits as the fbgemm path. It is compiled once per machine with
+torch's C++ extension builder (g++ and ninja; `-march=native` picks AVX512-VNNI where the
+CPU has it) and cached by torch (TORCH_EXTENSIONS_DIR). Without a compiler, or with
+FORERUN_NO_KERNELS=1, `load()` returns None and Int8Linear keeps its pure-PyTorch path.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("int8_rows.cpp")
+
+
+@functools.cache
+def load():
+    """The built extension module, or None (with one log line saying why)."""
+    if os.environ.get("FORERUN_NO_KERNELS"):
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        return cpp_extension.load(
+            name="forerun_int8_rows",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, an exotic CPU: fall back, never fail
+        log.warning("forerun: int8 kernel not built (%s); using the slower PyTorch path", str(e).splitlines()[0][:200])
+        return None
+
+
+def _put_ninja_on_path():
+    """torch's builder runs `ninja` from PATH; the pip `ninja` package may live only in the venv."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
