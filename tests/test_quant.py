@@ -84,3 +84,26 @@ def test_zero_input_gives_bias_not_nan(use_kernel):
     _, q = _layer(bias=True, use_kernel=use_kernel)
     with torch.inference_mode():
         assert torch.allclose(q(torch.zeros(1, 96)), q.bias[None])
+
+
+def test_a_folded_rms_norm_computes_linear_of_norm():
+    """absorb_norm: the kernel runs the RMSNorm itself. Same function as norm then linear
+    (not the same bits: the norm's float rounding differs), still per token."""
+    from forerun.models.llama import RMSNorm
+
+    lin, q = _layer(bias=True)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = _rows(2 * WIDE_ROWS)
+    with torch.inference_mode():
+        unfolded = q(norm(x))
+        if not q.absorb_norm(norm):
+            pytest.skip("no compiled kernel: norms stay separate")
+        folded = q(x)  # the first 63 rows through the kernel's norm, the rest... all 128 rows: wide path
+        few = torch.cat([q(x[i : i + 1]) for i in range(8)])
+        assert torch.equal(q(x[:8]), few)  # per token
+        assert torch.allclose(folded, unfolded, rtol=0.02, atol=0.02 * unfolded.abs().max())
+        assert torch.allclose(few, unfolded[:8], rtol=0.02, atol=0.02 * unfolded.abs().max())
+        ref = lin(norm(x))
+        assert ((few - ref[:8]).norm() / ref[:8].norm()) < 0.02

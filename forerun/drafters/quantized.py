@@ -23,10 +23,10 @@ def quantized_copy(model, bits: int = 8):
         raise ConfigError(f"quantized self-draft supports 8-bit weights, not {bits}")
     if model.device.type != "cpu":
         raise ConfigError("the int8 self-draft uses CPU kernels (fbgemm); on an accelerator use draft_dtype bfloat16 with draft_model")
-    from forerun.models.quant import quantize_int8_
+    from forerun.models.quant import to_int8_
 
     draft = copy.deepcopy(model).float()
-    return quantize_int8_(draft).eval().requires_grad_(False)
+    return to_int8_(draft).eval().requires_grad_(False)
 
 
 @register("quantized")

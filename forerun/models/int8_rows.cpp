@@ -1,6 +1,7 @@
 // int8 linear for a few tokens (decoding, verifying a draft): one call instead of six ops.
 //
 // Same numerics as forerun's fbgemm path (models/quant.py), bit for bit:
+//   0. optionally x = rms_norm(x) * norm_w first (the RMSNorm that feeds this linear);
 //   1. each token row x is divided by its own max |x| (float division, as torch.div);
 //   2. quantised to uint8 the way fbgemm's Quantize does: nearbyint(x * (1 / scale)) + zero,
 //      clamped to [0, 255], with the scale / zero point fbgemm picks for the range [-1, 1];
@@ -48,10 +49,10 @@ static inline void dots_u8s8(const uint8_t* a, const int8_t* const* b, int64_t K
 #endif
 }
 
-// x [..., K] float32, w [M, K] int8, w_scale [M] float32, colsum [M] int32, bias [M] or empty
-// -> [..., M] float32.
+// x [..., K] float32, w [M, K] int8, w_scale [M] float32, colsum [M] int32, bias [M] or empty,
+// norm_w [K] or empty (no RMSNorm), eps -> [..., M] float32.
 torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
-                        torch::Tensor bias, double x_scale, int64_t x_zero) {
+                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "x: float32 [..., K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(1) == x_in.size(-1),
               "w: contiguous int8 [M, K] with K = x's last dimension");
@@ -59,11 +60,21 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   const int64_t K = x.size(-1), N = x.numel() / K, M = w.size(0);
   const float xs = static_cast<float>(x_scale), inv = 1.0f / xs;
   const int32_t zero = static_cast<int32_t>(x_zero);
+  TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
   const float* xp = x.data_ptr<float>();
+  const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
   std::vector<uint8_t> q(N * K);
   std::vector<float> row_max(N);
+  std::vector<float> normed(nw ? K : 0);
   for (int64_t i = 0; i < N; ++i) {
     const float* r = xp + i * K;
+    if (nw) {
+      double ss = 0.0;
+      for (int64_t k = 0; k < K; ++k) ss += double(r[k]) * r[k];
+      const float inv_rms = static_cast<float>(1.0 / std::sqrt(ss / K + eps));
+      for (int64_t k = 0; k < K; ++k) normed[k] = (r[k] * inv_rms) * nw[k];
+      r = normed.data();
+    }
     float s = 0.f;
     for (int64_t k = 0; k < K; ++k) s = std::max(s, std::fabs(r[k]));
     s = std::max(s, 1e-12f);

@@ -131,6 +131,16 @@ class LlamaForCausalLM(DecoderBase):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
+    def fuse_int8_norms(self):
+        """int8 with the compiled kernel: each layer's two RMSNorms run inside the kernel of
+        the one linear they feed (q/k/v, gate/up), and the layer's own norm call goes away."""
+        from forerun.models.quant import Int8Linear
+
+        for layer in self.model.layers:
+            for norm_name, linear in (("input_layernorm", layer.self_attn.qkv_proj), ("post_attention_layernorm", layer.mlp.gate_up_proj)):
+                if isinstance(linear, Int8Linear) and linear.absorb_norm(getattr(layer, norm_name)):
+                    setattr(layer, norm_name, nn.Identity())
+
     def forward(
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
         skip: frozenset[int] = frozenset(),

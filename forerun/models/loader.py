@@ -121,7 +121,7 @@ def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
     if dtype == "int8":
         if torch.device(device).type != "cpu":
             raise ModelLoadError("dtype int8 is a CPU path (fbgemm); use bfloat16 on an accelerator")
-        from forerun.models.quant import quantize_int8_
+        from forerun.models.quant import to_int8_
 
-        quantize_int8_(model)
+        to_int8_(model)
     return model.eval().requires_grad_(False)

@@ -49,20 +49,39 @@ class Int8Linear(nn.Module):
         kernel = int8_kernel.load() if use_kernel else None
         self._rows = kernel.int8_rows if kernel is not None else None  # the compiled few-token kernel
         self._packed = None if self._rows else torch.ops.quantized.linear_prepack(qw, None)
-        # The kernel's arguments as a plain tuple: nn.Module attribute lookups cost ~1 us each.
-        # (int8 is a CPU-only path, so these tensors never move.)
-        bias = self.bias.data if self.bias is not None else self.weight_scale[:0]
-        self._rows_args = (self.weight_int8, self.weight_scale, self.weight_colsum, bias, *activation_qparams())
         self._wide = None
         if _onednn_available():
             self._wide = torch.ops.onednn.qlinear_prepack(w8, None)
         anchor = torch.zeros(1, self.in_features)
         anchor[0, 0], anchor[0, -1] = 1.0, -1.0
         self.register_buffer("anchor", anchor, persistent=False)  # pins fbgemm's tensor range to [-1, 1]
+        # The kernel's arguments as a plain tuple: nn.Module attribute lookups cost ~1 us each.
+        # (int8 is a CPU-only path, so these tensors never move.)
+        self.pre_norm = None  # an RMSNorm run first, inside the kernel (see absorb_norm)
+        self._set_rows_args()
+
+    def _set_rows_args(self):
+        empty = self.weight_scale[:0]
+        bias = self.bias.data if self.bias is not None else empty
+        norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
+        self._rows_args = (self.weight_int8, self.weight_scale, self.weight_colsum, bias, norm_w, eps, *activation_qparams())
+
+    def absorb_norm(self, norm: nn.Module) -> bool:
+        """Compute linear(norm(x)) from here on, the norm inside the few-token kernel (its
+        ~40 us of small ops per call is a tenth of an int8 decode step). The caller then drops
+        its own call to `norm`. False (nothing changed) without the kernel or for a norm
+        other than a float32 RMSNorm."""
+        if self._rows is None or type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32:
+            return False
+        self.pre_norm = norm
+        self._set_rows_args()
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._rows is not None and x.dtype == torch.float32 and (x.numel() < WIDE_ROWS * x.shape[-1] or self._wide is None):
             return self._rows(x, *self._rows_args)  # the hot path: one call, no other op
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
         y = self._wide_gemm(x2) if x2.shape[0] >= WIDE_ROWS and self._wide is not None else self._fbgemm(x2)
@@ -126,6 +145,15 @@ def _staging(anchor: torch.Tensor, n: int) -> torch.Tensor:
         if n <= 64:
             _STAGED[key] = buf
     return buf
+
+
+def to_int8_(model: nn.Module) -> nn.Module:
+    """The int8 model: every linear quantised, and norms folded into the kernels where the
+    model knows how (LlamaForCausalLM.fuse_int8_norms)."""
+    quantize_int8_(model)
+    if hasattr(model, "fuse_int8_norms"):
+        model.fuse_int8_norms()
+    return model
 
 
 def quantize_int8_(model: nn.Module) -> nn.Module:
