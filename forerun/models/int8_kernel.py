@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_rows.cpp")
+NAME = "forerun_int8_rows"
 
 
 @functools.cache
@@ -27,16 +29,27 @@ def load():
         from torch.utils import cpp_extension
 
         _put_ninja_on_path()
+        if not _already_built(cpp_extension):
+            print("forerun: compiling the int8 kernel once for this machine (about 40 s)...", file=sys.stderr, flush=True)
         return cpp_extension.load(
-            name="forerun_int8_rows",
+            name=NAME,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],  # no silent FMA: same bits every path
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, an exotic CPU: fall back, never fail
         log.warning("forerun: int8 kernel not built (%s); using the slower PyTorch path", str(e).splitlines()[0][:200])
         return None
+
+
+def _already_built(cpp_extension) -> bool:
+    """Best effort (a private torch helper): is a built module in torch's cache already?
+    torch itself still decides whether to rebuild (it hashes the source and flags)."""
+    try:
+        return (Path(cpp_extension._get_build_directory(NAME, False)) / f"{NAME}.so").exists()
+    except Exception:
+        return True  # no message rather than a wrong one
 
 
 def _put_ninja_on_path():

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -23,47 +24,64 @@
 #define FORERUN_VNNI 1
 #endif
 
-// acc[r] = <a, b_r> for R weight rows b_0..b_{R-1} (R independent streams keep more loads in flight).
-template <int R>
-static inline void dots_u8s8(const uint8_t* a, const int8_t* const* b, int64_t K, int32_t* acc) {
+// Weights are packed once (Int8Linear, `pack_weight` in quant.py) as [M/16][K/4][16][4]:
+// 64 bytes = 4 consecutive k of 16 consecutive outputs, which is exactly one VNNI
+// instruction's worth. A token's 4 activation bytes are broadcast to all 16 lanes, so the
+// int32 accumulators hold 16 outputs each and need no horizontal sums; one weight load
+// serves up to 6 tokens (24 accumulators + 6 broadcasts: the 32 registers). M is padded to a multiple of 64 and K to one of 4 (zero weights).
+constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 4, K_GROUP = 4, MAX_TOKENS = 6;
+
+// acc[b * TB + t] += <activations of token t, weights of output block b> over all of K.
+template <int TB>
+static inline void chunk_dots(const uint8_t* q, int64_t Kp, const int8_t* w, int64_t G, int32_t* out) {
 #ifdef FORERUN_VNNI
-  __m512i v[R];
-  for (int r = 0; r < R; ++r) v[r] = _mm512_setzero_si512();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512i va = _mm512_loadu_si512(a + k);
-    for (int r = 0; r < R; ++r) v[r] = _mm512_dpbusd_epi32(v[r], va, _mm512_loadu_si512(b[r] + k));
+  __m512i acc[CHUNK_BLOCKS][TB];
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
+    for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i a[TB];
+    for (int t = 0; t < TB; ++t) {
+      int32_t four;
+      std::memcpy(&four, q + t * Kp + g * K_GROUP, 4);
+      a[t] = _mm512_set1_epi32(four);
+    }
+    for (int b = 0; b < CHUNK_BLOCKS; ++b) {
+      const __m512i wv = _mm512_loadu_si512(w + (b * G + g) * 64);
+      for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], a[t], wv);
+    }
   }
-  if (k < K) {
-    const __mmask64 m = (~0ULL) >> (64 - (K - k));
-    const __m512i va = _mm512_maskz_loadu_epi8(m, a + k);
-    for (int r = 0; r < R; ++r) v[r] = _mm512_dpbusd_epi32(v[r], va, _mm512_maskz_loadu_epi8(m, b[r] + k));
-  }
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_reduce_add_epi32(v[r]);
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
+    for (int t = 0; t < TB; ++t) _mm512_storeu_si512(out + (b * TB + t) * OUT_BLOCK, acc[b][t]);
 #else
-  for (int r = 0; r < R; ++r) {
-    int32_t s = 0;
-    for (int64_t k = 0; k < K; ++k) s += int32_t(a[k]) * int32_t(b[r][k]);
-    acc[r] = s;
-  }
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
+    for (int t = 0; t < TB; ++t)
+      for (int l = 0; l < OUT_BLOCK; ++l) {
+        int32_t s = 0;
+        for (int64_t g = 0; g < G; ++g)
+          for (int k = 0; k < K_GROUP; ++k)
+            s += int32_t(q[t * Kp + g * K_GROUP + k]) * int32_t(w[((b * G + g) * OUT_BLOCK + l) * K_GROUP + k]);
+        out[(b * TB + t) * OUT_BLOCK + l] = s;
+      }
 #endif
 }
 
-// x [..., K] float32, w [M, K] int8, w_scale [M] float32, colsum [M] int32, bias [M] or empty,
-// norm_w [K] or empty (no RMSNorm), eps -> [..., M] float32.
+// x [..., K] float32; w_packed [Mp/16, Kp/4, 16, 4] int8; w_scale, colsum, bias (or empty) [M];
+// norm_w [K] or empty (no RMSNorm) -> [..., M] float32.
 torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
                         torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "x: float32 [..., K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(1) == x_in.size(-1),
-              "w: contiguous int8 [M, K] with K = x's last dimension");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(2) == OUT_BLOCK &&
+              w.size(3) == K_GROUP && w.size(0) % CHUNK_BLOCKS == 0, "w: packed int8 [Mp/16, Kp/4, 16, 4]");
   const auto x = x_in.contiguous();
-  const int64_t K = x.size(-1), N = x.numel() / K, M = w.size(0);
+  const int64_t K = x.size(-1), N = x.numel() / K, M = w_scale.numel();
+  const int64_t G = w.size(1), Kp = G * K_GROUP, chunks = w.size(0) / CHUNK_BLOCKS;
+  TORCH_CHECK(Kp >= K && Kp < K + K_GROUP && w.size(0) * OUT_BLOCK >= M, "packed weight does not fit x / w_scale");
   const float xs = static_cast<float>(x_scale), inv = 1.0f / xs;
   const int32_t zero = static_cast<int32_t>(x_zero);
   TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
   const float* xp = x.data_ptr<float>();
   const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
-  std::vector<uint8_t> q(N * K);
+  std::vector<uint8_t> q(N * Kp, 0);  // padding k: any value works (its weights are 0)
   std::vector<float> row_max(N);
   std::vector<float> normed(nw ? K : 0);
   for (int64_t i = 0; i < N; ++i) {
@@ -81,7 +99,7 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
     row_max[i] = s;
     for (int64_t k = 0; k < K; ++k) {
       const float v = std::nearbyint((r[k] / s) * inv) + zero;
-      q[i * K + k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
+      q[i * Kp + k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
     }
   }
   auto out_shape = x.sizes().vec();
@@ -92,28 +110,144 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   const float* wsp = w_scale.data_ptr<float>();
   const int32_t* csp = colsum.data_ptr<int32_t>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  auto finish = [&](int64_t i, int64_t j, int32_t acc) {
-    float y = static_cast<float>(acc - zero * csp[j]) * (xs * wsp[j]) * row_max[i];
-    op[i * M + j] = bp ? y + bp[j] : y;
-  };
-  at::parallel_for(0, M, 64, [&](int64_t j0, int64_t j1) {
-    constexpr int R = 4;
-    int64_t j = j0;
-    for (; j + R <= j1; j += R) {  // R weight rows at a time; they stay in L1 across the tokens
-      const int8_t* rows[R];
-      for (int r = 0; r < R; ++r) rows[r] = wp + (j + r) * K;
-      for (int64_t i = 0; i < N; ++i) {
-        int32_t acc[R];
-        dots_u8s8<R>(q.data() + i * K, rows, K, acc);
-        for (int r = 0; r < R; ++r) finish(i, j + r, acc[r]);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    int32_t acc[CHUNK_BLOCKS * MAX_TOKENS * OUT_BLOCK];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int8_t* wc = wp + c * CHUNK_BLOCKS * G * OUT_BLOCK * K_GROUP;
+      for (int64_t t0 = 0; t0 < N; t0 += MAX_TOKENS) {
+        const int TB = static_cast<int>(std::min<int64_t>(MAX_TOKENS, N - t0));
+        const uint8_t* qt = q.data() + t0 * Kp;
+        switch (TB) {
+          case 1: chunk_dots<1>(qt, Kp, wc, G, acc); break;
+          case 2: chunk_dots<2>(qt, Kp, wc, G, acc); break;
+          case 3: chunk_dots<3>(qt, Kp, wc, G, acc); break;
+          case 4: chunk_dots<4>(qt, Kp, wc, G, acc); break;
+          case 5: chunk_dots<5>(qt, Kp, wc, G, acc); break;
+          default: chunk_dots<6>(qt, Kp, wc, G, acc); break;
+        }
+        for (int b = 0; b < CHUNK_BLOCKS; ++b)
+          for (int t = 0; t < TB; ++t)
+            for (int l = 0; l < OUT_BLOCK; ++l) {
+              const int64_t j = (c * CHUNK_BLOCKS + b) * OUT_BLOCK + l, i = t0 + t;
+              if (j >= M) continue;
+              const int32_t a = acc[(b * TB + t) * OUT_BLOCK + l] - zero * csp[j];
+              const float y = static_cast<float>(a) * (xs * wsp[j]) * row_max[i];
+              op[i * M + j] = bp ? y + bp[j] : y;
+            }
       }
     }
-    for (; j < j1; ++j) {
-      const int8_t* row = wp + j * K;
-      for (int64_t i = 0; i < N; ++i) {
-        int32_t acc;
-        dots_u8s8<1>(q.data() + i * K, &row, K, &acc);
-        finish(i, j, acc);
+  });
+  return out;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer
+// power (exponent bits) and a degree-6 polynomial on [0, 1); ~2 ulp, branch-free so the
+// compiler vectorises the loop that calls it. The same code runs for every query, which
+// is the point: a query's result never depends on how many queries share the call.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Sum of 16 lanes in a fixed tree order.
+static inline float lane_sum(float* lanes) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
+}
+
+// R dot products <a, b_r> at once (independent chains hide the FMA latency). Each one's
+// arithmetic is the same for any R, so a key's score never depends on its neighbours.
+template <int R>
+static inline void dots(const float* a, const float* b, int64_t D, float* out) {
+  float lanes[R][16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < 16; ++l) lanes[r][l] = std::fma(a[d + l], b[r * D + d + l], lanes[r][l]);
+  for (; d < D; ++d)
+    for (int r = 0; r < R; ++r) lanes[r][0] = std::fma(a[d], b[r * D + d], lanes[r][0]);
+  for (int r = 0; r < R; ++r) out[r] = lane_sum(lanes[r]);
+}
+
+// Attention where query t of batch entry b sees keys [0, limits[b, t]) of its cache row (a
+// chain: every query sees a prefix). q [B, H, T, D]; k/v: the layer's whole cache
+// [rows, Hkv, capacity, D]; rows [B]; limits [B, T] -> [B, H, T, D]. Each (b, h, t) is
+// computed alone, in the same order for any T: scoring k drafted tokens at once gives
+// each the bits that scoring it alone would. (SDPA's kernels tile queries together.)
+torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
+                            torch::Tensor limits, double scale_d) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+              k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "k, v: float32 [rows, Hkv, cap, D]");
+  const auto q = q_in.contiguous();
+  const auto row_idx = rows.to(torch::kLong).contiguous();
+  const auto lim = limits.to(torch::kLong).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), cap = k.size(2);
+  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "head shapes");
+  TORCH_CHECK(row_idx.numel() == B && lim.size(0) == B && lim.size(1) == T, "rows [B], limits [B, T]");
+  const int64_t group = H / Hkv;
+  const float scale = static_cast<float>(scale_d);
+  auto out = torch::empty({B, H, T, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t *rp = row_idx.data_ptr<int64_t>(), *lp = lim.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "a query must see between 1 and capacity keys");
+  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
+    std::vector<float> p(cap), acc0(D), acc1(D);
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const int64_t b = bh / H, h = bh % H, hk = h / group;
+      const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
+      const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* qv = qp + ((b * H + h) * T + t) * D;
+        const int64_t L = lp[b * T + t];
+        int64_t j = 0;
+        for (; j + 4 <= L; j += 4) dots<4>(qv, kb + j * D, D, p.data() + j);
+        for (; j < L; ++j) dots<1>(qv, kb + j * D, D, p.data() + j);
+        float lanes[16];  // 16-lane max, then 16-lane sum, each joined in a fixed order
+        for (int l = 0; l < 16; ++l) lanes[l] = -INFINITY;
+        for (j = 0; j < L; ++j) p[j] *= scale;
+        for (j = 0; j + 16 <= L; j += 16)
+          for (int l = 0; l < 16; ++l) lanes[l] = std::max(lanes[l], p[j + l]);
+        for (int l = 0; j + l < L; ++l) lanes[l] = std::max(lanes[l], p[j + l]);
+        float m = lanes[0];
+        for (int l = 1; l < 16; ++l) m = std::max(m, lanes[l]);
+        for (j = 0; j < L; ++j) p[j] = exp_nonpositive(p[j] - m);
+        for (int l = 0; l < 16; ++l) lanes[l] = 0.f;
+        for (j = 0; j + 16 <= L; j += 16)
+          for (int l = 0; l < 16; ++l) lanes[l] += p[j + l];
+        for (int l = 0; j + l < L; ++l) lanes[l] += p[j + l];
+        const float sum = lane_sum(lanes);
+        float* o = op + ((b * H + h) * T + t) * D;
+        for (int64_t d = 0; d < D; ++d) acc0[d] = acc1[d] = 0.f;
+        for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
+          const float p0 = p[j], p1 = p[j + 1];
+          const float *v0 = vb + j * D, *v1 = v0 + D;
+          for (int64_t d = 0; d < D; ++d) {
+            acc0[d] = std::fma(p0, v0[d], acc0[d]);
+            acc1[d] = std::fma(p1, v1[d], acc1[d]);
+          }
+        }
+        if (j < L)
+          for (int64_t d = 0; d < D; ++d) acc0[d] = std::fma(p[j], vb[j * D + d], acc0[d]);
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; ++d) o[d] = (acc0[d] + acc1[d]) * inv;
       }
     }
   });
@@ -130,5 +264,6 @@ bool has_vnni() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows, "per-token int8 linear for a few rows");
+  m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
 }

@@ -14,6 +14,7 @@ from torch import nn
 from forerun.kv_cache import ForwardBatch, KVCache
 from forerun.models.base import DecoderBase, ModelOutput
 from forerun.models.config import ModelConfig
+from forerun.models.quant import WIDE_ROWS
 from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 
@@ -52,6 +53,7 @@ class Attention(nn.Module):
         # q, k and v in one GEMM (HF's q_proj/k_proj/v_proj are concatenated at load time).
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.prefix_attention = None  # the compiled per-query kernel, set by use_int8_kernels
 
     def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache, bias: torch.Tensor):
         """bias: [B, 1, T, S] additive mask (0 or -inf) built from batch.mask, or None when
@@ -62,7 +64,9 @@ class Attention(nn.Module):
         q, k, v = qk[:, : self.nh], qk[:, self.nh :], qkv[:, self.nh + self.nkv :]  # (B, nh | nkv, T, hd)
         cache.write(self.layer, batch, k, v)
         keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
-        if T == 1 and batch.attention == "all":  # plain decoding: the most frequent forward
+        if self.prefix_attention is not None and batch.starts is not None and T < WIDE_ROWS:  # a chain
+            out = self.prefix_attention(q, cache.k[self.layer], cache.v[self.layer], batch.row_index, batch.slots + 1, self.hd**-0.5)
+        elif T == 1 and batch.attention == "all":  # plain decoding: the most frequent forward
             out = one_query_attention(q, keys, values)
         else:
             out = F.scaled_dot_product_attention(
@@ -131,15 +135,21 @@ class LlamaForCausalLM(DecoderBase):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
-    def fuse_int8_norms(self):
-        """int8 with the compiled kernel: each layer's two RMSNorms run inside the kernel of
-        the one linear they feed (q/k/v, gate/up), and the layer's own norm call goes away."""
+    def use_int8_kernels(self, kernel) -> None:
+        """For the int8 model, with forerun's compiled kernels (models/int8_kernel.py):
+        - each layer's two RMSNorms run inside the kernel of the one linear they feed
+          (q/k/v, gate/up), and the layer's own norm call goes away;
+        - chain attention over fewer than WIDE_ROWS tokens runs one query at a time.
+        Together with the per-token int8 linears this makes a forward batch-invariant: a
+        drafted token scored among k others gets the bits plain decoding would give it,
+        so int8 speculative decoding reproduces int8 plain decoding exactly."""
         from forerun.models.quant import Int8Linear
 
         for layer in self.model.layers:
             for norm_name, linear in (("input_layernorm", layer.self_attn.qkv_proj), ("post_attention_layernorm", layer.mlp.gate_up_proj)):
                 if isinstance(linear, Int8Linear) and linear.absorb_norm(getattr(layer, norm_name)):
                     setattr(layer, norm_name, nn.Identity())
+            layer.self_attn.prefix_attention = kernel.attend_prefix
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",

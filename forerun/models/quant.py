@@ -48,6 +48,8 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         kernel = int8_kernel.load() if use_kernel else None
         self._rows = kernel.int8_rows if kernel is not None else None  # the compiled few-token kernel
+        if self._rows is not None:
+            self.register_buffer("weight_packed", pack_weight(w8), persistent=False)
         self._packed = None if self._rows else torch.ops.quantized.linear_prepack(qw, None)
         self._wide = None
         if _onednn_available():
@@ -61,10 +63,13 @@ class Int8Linear(nn.Module):
         self._set_rows_args()
 
     def _set_rows_args(self):
+        if self._rows is None:
+            self._rows_args = None
+            return
         empty = self.weight_scale[:0]
         bias = self.bias.data if self.bias is not None else empty
         norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
-        self._rows_args = (self.weight_int8, self.weight_scale, self.weight_colsum, bias, norm_w, eps, *activation_qparams())
+        self._rows_args = (self.weight_packed, self.weight_scale, self.weight_colsum, bias, norm_w, eps, *activation_qparams())
 
     def absorb_norm(self, norm: nn.Module) -> bool:
         """Compute linear(norm(x)) from here on, the norm inside the few-token kernel (its
@@ -111,6 +116,17 @@ class Int8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 per-channel weights, per-token activations, {kernel}"
 
 
+def pack_weight(w8: torch.Tensor) -> torch.Tensor:
+    """[M, K] int8 -> [Mp/16, Kp/4, 16, 4], the layout int8_rows.cpp reads: 64 bytes hold
+    4 consecutive inputs of 16 consecutive outputs (Mp: M up to a multiple of 64, Kp: K up
+    to a multiple of 4, padded with zero weights)."""
+    M, K = w8.shape
+    Mp, Kp = -(-M // 64) * 64, -(-K // 4) * 4
+    padded = torch.zeros(Mp, Kp, dtype=torch.int8)
+    padded[:M, :K] = w8
+    return padded.view(Mp // 16, 16, Kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
@@ -148,11 +164,12 @@ def _staging(anchor: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def to_int8_(model: nn.Module) -> nn.Module:
-    """The int8 model: every linear quantised, and norms folded into the kernels where the
-    model knows how (LlamaForCausalLM.fuse_int8_norms)."""
+    """The int8 model: every linear quantised, then the model's own kernel wiring where it
+    has one (LlamaForCausalLM.use_int8_kernels: norms folded, per-query chain attention)."""
     quantize_int8_(model)
-    if hasattr(model, "fuse_int8_norms"):
-        model.fuse_int8_norms()
+    kernel = int8_kernel.load()
+    if kernel is not None and hasattr(model, "use_int8_kernels"):
+        model.use_int8_kernels(kernel)
     return model
 
 
