@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="needs the co
 @pytest.fixture(scope="module", params=[0, 1, 2])
 def verifier(request):
     """Several seeds: with SDPA instead of the per-query kernel, seed 1 already diverges."""
-    return LLM(tiny_model(seed=request.param, dtype="int8"), dtype="int8")
+    # head_dim 16: the attention kernel's vector path (head_dim 64 in SmolLM2) is the one tested
+    return LLM(tiny_model(seed=request.param, dtype="int8", hidden_size=64, intermediate_size=128), dtype="int8")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_int8_speculative_equals_int8_plain(verifier, plain, method, k):
     if method == "ngram":
         spec = SpeculativeConfig("ngram", k, ngram_max=3)
     else:  # an unrelated random drafter: many rejections, so many partial accepts
-        spec = SpeculativeConfig("draft_model", k, draft_model=LLM(tiny_model(seed=3)))
+        spec = SpeculativeConfig("draft_model", k, draft_model=LLM(tiny_model(seed=3, hidden_size=64, intermediate_size=128)))
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
     assert [o.token_ids for o in outs] == plain
     assert merge([o.stats for o in outs]).drafted > 0
@@ -47,3 +48,25 @@ def test_int8_speculative_equals_int8_plain(verifier, plain, method, k):
 def test_int8_batched_equals_one_by_one(verifier, plain):
     alone = [verifier.generate([p], GREEDY, speculative=None)[0].token_ids for p in PROMPTS]
     assert alone == plain
+
+
+@pytest.mark.parametrize("head_dim", [64, 8])  # the vector path and the plain C++ one
+def test_prefix_attention_is_per_query_and_matches_sdpa(head_dim):
+    """Each query's output is bit-identical whether computed alone or among T queries,
+    and equal to SDPA with the chain mask up to float rounding."""
+    import torch
+    import torch.nn.functional as F
+
+    kernel = int8_kernel.load()
+    g = torch.Generator().manual_seed(0)
+    cap, s0, T = 300, 250, 6
+    k, v = torch.randn(2, 3, cap, head_dim, generator=g), torch.randn(2, 3, cap, head_dim, generator=g)
+    q = torch.randn(1, 12, T, head_dim, generator=g)
+    limits = torch.arange(s0 + 1, s0 + T + 1)[None]
+    out = kernel.attend_prefix(q, k, v, torch.tensor([1]), limits, head_dim**-0.5)
+    for t in range(T):
+        alone = kernel.attend_prefix(q[:, :, t : t + 1], k, v, torch.tensor([1]), limits[:, t : t + 1], head_dim**-0.5)
+        assert torch.equal(alone[:, :, 0], out[:, :, t])
+    mask = torch.arange(s0 + T)[None, :] < limits[0][:, None]
+    ref = F.scaled_dot_product_attention(q, k[1:, :, : s0 + T], v[1:, :, : s0 + T], attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out, ref, atol=2e-6)

@@ -110,6 +110,26 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   const float* wsp = w_scale.data_ptr<float>();
   const int32_t* csp = colsum.data_ptr<int32_t>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  // y = float(acc - zero * colsum) * (x_scale * w_scale) * row_max (+ bias): fbgemm's order.
+  auto epilogue = [&](const int32_t* a16, int64_t j0, int64_t i) {
+    const int64_t n = std::min<int64_t>(OUT_BLOCK, M - j0);
+    float* dst = op + i * M + j0;
+#ifdef FORERUN_VNNI
+    const __mmask16 mk = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(a16),
+                                       _mm512_mullo_epi32(_mm512_set1_epi32(zero), _mm512_maskz_loadu_epi32(mk, csp + j0)));
+    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(xs), _mm512_maskz_loadu_ps(mk, wsp + j0));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sc), _mm512_set1_ps(row_max[i]));
+    if (bp) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mk, bp + j0));
+    _mm512_mask_storeu_ps(dst, mk, y);
+#else
+    for (int64_t l = 0; l < n; ++l) {
+      const int32_t a = a16[l] - zero * csp[j0 + l];
+      const float y = static_cast<float>(a) * (xs * wsp[j0 + l]) * row_max[i];
+      dst[l] = bp ? y + bp[j0 + l] : y;
+    }
+#endif
+  };
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     int32_t acc[CHUNK_BLOCKS * MAX_TOKENS * OUT_BLOCK];
     for (int64_t c = c0; c < c1; ++c) {
@@ -125,15 +145,11 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
           case 5: chunk_dots<5>(qt, Kp, wc, G, acc); break;
           default: chunk_dots<6>(qt, Kp, wc, G, acc); break;
         }
-        for (int b = 0; b < CHUNK_BLOCKS; ++b)
-          for (int t = 0; t < TB; ++t)
-            for (int l = 0; l < OUT_BLOCK; ++l) {
-              const int64_t j = (c * CHUNK_BLOCKS + b) * OUT_BLOCK + l, i = t0 + t;
-              if (j >= M) continue;
-              const int32_t a = acc[(b * TB + t) * OUT_BLOCK + l] - zero * csp[j];
-              const float y = static_cast<float>(a) * (xs * wsp[j]) * row_max[i];
-              op[i * M + j] = bp ? y + bp[j] : y;
-            }
+        for (int b = 0; b < CHUNK_BLOCKS; ++b) {
+          const int64_t j0 = (c * CHUNK_BLOCKS + b) * OUT_BLOCK;
+          if (j0 >= M) break;
+          for (int t = 0; t < TB; ++t) epilogue(acc + (b * TB + t) * OUT_BLOCK, j0, t0 + t);
+        }
       }
     }
   });
@@ -183,6 +199,82 @@ static inline void dots(const float* a, const float* b, int64_t D, float* out) {
   for (int r = 0; r < R; ++r) out[r] = lane_sum(lanes[r]);
 }
 
+#ifdef FORERUN_VNNI
+// One query's attention over keys [0, L), AVX512, for D a multiple of 16 (<= 256).
+// Fixed instruction sequence for a given (L, D): the batch around the query never matters.
+static void attend_one_avx512(const float* qv, const float* kb, const float* vb, int64_t L, int64_t D,
+                              float scale, float* p, float* o) {
+  const int64_t V = D / 16;
+  __m512 qr[16];
+  for (int64_t c = 0; c < V; ++c) qr[c] = _mm512_loadu_ps(qv + 16 * c);
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {  // 4 keys at a time: independent FMA chains
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float* k0 = kb + j * D;
+    for (int64_t c = 0; c < V; ++c) {
+      a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + 16 * c), a0);
+      a1 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + D + 16 * c), a1);
+      a2 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + 2 * D + 16 * c), a2);
+      a3 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + 3 * D + 16 * c), a3);
+    }
+    p[j] = _mm512_reduce_add_ps(a0) * scale;
+    p[j + 1] = _mm512_reduce_add_ps(a1) * scale;
+    p[j + 2] = _mm512_reduce_add_ps(a2) * scale;
+    p[j + 3] = _mm512_reduce_add_ps(a3) * scale;
+  }
+  for (; j < L; ++j) {
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + j * D + 16 * c), a0);
+    p[j] = _mm512_reduce_add_ps(a0) * scale;
+  }
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (j = 0; j + 16 <= L; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(p + j));
+  float m = _mm512_reduce_max_ps(mx);
+  for (; j < L; ++j) m = std::max(m, p[j]);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum_v = _mm512_setzero_ps();
+  j = 0;
+  for (; j + 16 <= L; j += 16) {
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(p + j), vm), _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 y = _mm512_set1_ps(1.535336188319500e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.339887440266574e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618437357674640e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550332471162809e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402264791363012e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931472028550421e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+    const __m512 ex = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    _mm512_storeu_ps(p + j, ex);
+    sum_v = _mm512_add_ps(sum_v, ex);
+  }
+  float sum = _mm512_reduce_add_ps(sum_v);
+  for (; j < L; ++j) {
+    p[j] = exp_nonpositive(p[j] - m);
+    sum += p[j];
+  }
+  __m512 acc[2][16];
+  for (int64_t c = 0; c < V; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
+  for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
+    const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+    const float* v0 = vb + j * D;
+    for (int64_t c = 0; c < V; ++c) {
+      acc[0][c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc[0][c]);
+      acc[1][c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + D + 16 * c), acc[1][c]);
+    }
+  }
+  if (j < L) {
+    const __m512 p0 = _mm512_set1_ps(p[j]);
+    for (int64_t c = 0; c < V; ++c) acc[0][c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + j * D + 16 * c), acc[0][c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (int64_t c = 0; c < V; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc[0][c], acc[1][c]), inv));
+}
+#endif
+
 // Attention where query t of batch entry b sees keys [0, limits[b, t]) of its cache row (a
 // chain: every query sees a prefix). q [B, H, T, D]; k/v: the layer's whole cache
 // [rows, Hkv, capacity, D]; rows [B]; limits [B, T] -> [B, H, T, D]. Each (b, h, t) is
@@ -217,6 +309,12 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
       for (int64_t t = 0; t < T; ++t) {
         const float* qv = qp + ((b * H + h) * T + t) * D;
         const int64_t L = lp[b * T + t];
+#ifdef FORERUN_VNNI
+        if (D % 16 == 0 && D <= 256) {
+          attend_one_avx512(qv, kb, vb, L, D, scale, p.data(), op + ((b * H + h) * T + t) * D);
+          continue;
+        }
+#endif
         int64_t j = 0;
         for (; j + 4 <= L; j += 4) dots<4>(qv, kb + j * D, D, p.data() + j);
         for (; j < L; ++j) dots<1>(qv, kb + j * D, D, p.data() + j);
