@@ -32,6 +32,7 @@ class ForwardBatch:
     # "all" = every query sees slots [0, kv_len); "causal" = query i sees slots <= i (every
     # row starts at slot 0); "mask" = anything else (ragged rows, trees): use `mask`.
     attention: str = "mask"
+    lengths: list[int] | None = None  # chains only: real (unpadded) new tokens per row
 
     def __post_init__(self):
         if self.row_index is None:
@@ -63,7 +64,8 @@ def chain_batch(
     attention = "mask"
     if len(set(starts)) == 1:
         attention = "all" if T == 1 else "causal" if starts[0] == 0 else "mask"
-    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask, list(starts), attention=attention)
+    lengths = [len(t) for t in new_tokens]
+    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask, list(starts), attention=attention, lengths=lengths)
 
 
 class KVCache:

@@ -1,7 +1,8 @@
 """int8 with forerun's kernels is batch-invariant, so speculative decoding at int8 emits
 exactly what plain decoding at int8 emits (not merely what float32 would): the per-token
 int8 linears and the per-query chain attention give a token the same bits whether it is
-scored alone or beside k drafted tokens."""
+scored alone or beside k drafted tokens. (Chains only: token-tree verification attends
+through SDPA's masked kernel, so tree drafters at int8 are exact in law, not in bits.)"""
 import pytest
 
 from forerun.config import SamplingParams, SpeculativeConfig
@@ -50,6 +51,18 @@ def test_int8_batched_equals_one_by_one(verifier, plain):
     assert alone == plain
 
 
+def test_wide_batches_keep_the_bits(verifier):
+    """Over WIDE_ROWS tokens per forward the linears switch kernel (oneDNN): 12 rows x
+    (k + 1) = 72 tokens per verify step, and one prompt long enough for SDPA's prefill.
+    Each row must still get exactly what it gets alone."""
+    prompts = [[(7 * i + j) % 30 + 1 for j in range(3 + i)] for i in range(11)] + [[(j * 5) % 31 for j in range(70)]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    alone = [verifier.generate([p], params, speculative=None)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in verifier.generate(prompts, params, speculative=None)] == alone
+    spec = SpeculativeConfig("draft_model", 5, draft_model=LLM(tiny_model(seed=3, hidden_size=64, intermediate_size=128)))
+    assert [o.token_ids for o in verifier.generate(prompts, params, speculative=spec)] == alone
+
+
 @pytest.mark.parametrize("head_dim", [64, 8])  # the vector path and the plain C++ one
 def test_prefix_attention_is_per_query_and_matches_sdpa(head_dim):
     """Each query's output is bit-identical whether computed alone or among T queries,
@@ -70,3 +83,19 @@ def test_prefix_attention_is_per_query_and_matches_sdpa(head_dim):
     mask = torch.arange(s0 + T)[None, :] < limits[0][:, None]
     ref = F.scaled_dot_product_attention(q, k[1:, :, : s0 + T], v[1:, :, : s0 + T], attn_mask=mask, enable_gqa=True)
     assert torch.allclose(out, ref, atol=2e-6)
+
+
+def test_a_wide_forward_gives_each_row_its_own_logits(verifier):
+    """The bit-level version: 12 rows x 6 tokens (over WIDE_ROWS: oneDNN linears) against
+    each row alone (6 tokens: the compiled kernel), logits equal to the last bit."""
+    import torch
+
+    from forerun.kv_cache import chain_batch
+
+    m = verifier.model
+    rows = [[(7 * i + j) % 30 + 1 for j in range(6)] for i in range(12)]
+    with torch.inference_mode():
+        together = m(chain_batch(rows, [0] * 12, list(range(12)), m.device), m.new_cache(12, 8)).logits
+        for i, r in enumerate(rows):
+            alone = m(chain_batch([r], [0], [0], m.device), m.new_cache(1, 8)).logits
+            assert torch.equal(together[i], alone[0]), i

@@ -107,3 +107,52 @@ def test_a_folded_rms_norm_computes_linear_of_norm():
         assert torch.allclose(few, unfolded[:8], rtol=0.02, atol=0.02 * unfolded.abs().max())
         ref = lin(norm(x))
         assert ((few - ref[:8]).norm() / ref[:8].norm()) < 0.02
+
+
+def test_copy_and_pickle_rebuild_the_kernels():
+    """The kernels' weight copies are opaque handles: deepcopy / torch.save must rebuild
+    them from the int8 weights, with the same outputs."""
+    import copy
+    import io
+
+    _, q = _layer(bias=True)
+    x = _rows(2 * WIDE_ROWS)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.inference_mode():
+        for other in (copy.deepcopy(q), loaded):
+            for n in (1, 2 * WIDE_ROWS):
+                assert torch.equal(other(x[:n]), q(x[:n]))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_other_dtypes_and_grad_modes(use_kernel):
+    """bfloat16 input is computed in float32 and returned as bfloat16; the fbgemm fallback's
+    reused buffer works in and out of inference mode."""
+    _, q = _layer(use_kernel=use_kernel)
+    x = _rows(3)
+    with torch.inference_mode():
+        ref = q(x)
+    with torch.no_grad():
+        assert torch.equal(q(x), ref)
+        y = q(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max())
+
+
+def test_quantisation_ties_round_like_fbgemm():
+    """fbgemm rounds fma(x, 1/scale, zero) (the zero point added before rounding); rounding
+    x/scale first differs about 2 times in a million. Rows holding exactly those values
+    (and 1.0, so the row scale is exact) must still match fbgemm bit for bit."""
+    scale, zero = activation_qparams()
+    v = torch.rand(2_000_000, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    inv = torch.tensor(1.0) / torch.tensor(scale, dtype=torch.float32)
+    fused = torch.round((v.double() * inv.double() + zero).float())
+    unfused = torch.round(v * inv) + zero
+    ties = v[fused != unfused]
+    assert len(ties) > 0
+    _, q = _layer(n_in=len(ties) + 1, n_out=32)
+    x = torch.cat([torch.ones(1), ties])[None]
+    with torch.inference_mode():
+        assert torch.equal(q(x), _fbgemm_reference(q, x))

@@ -3,7 +3,7 @@
 // Same numerics as forerun's fbgemm path (models/quant.py), bit for bit:
 //   0. optionally x = rms_norm(x) * norm_w first (the RMSNorm that feeds this linear);
 //   1. each token row x is divided by its own max |x| (float division, as torch.div);
-//   2. quantised to uint8 the way fbgemm's Quantize does: nearbyint(x * (1 / scale)) + zero,
+//   2. quantised to uint8 the way fbgemm's Quantize does: nearbyint(fma(x, 1 / scale, zero)),
 //      clamped to [0, 255], with the scale / zero point fbgemm picks for the range [-1, 1];
 //   3. int32 dot products with the int8 weight rows (exact, so any kernel agrees);
 //   4. fbgemm's float epilogue: (acc - zero * colsum[j]) * x_scale * w_scale[j], then
@@ -65,6 +65,30 @@ static inline void chunk_dots(const uint8_t* q, int64_t Kp, const int8_t* w, int
 #endif
 }
 
+// RMSNorm of one row, the folded norm of int8_rows (also exported as rms_norm_rows so the
+// oneDNN / fbgemm paths use the very same bits): x * (1 / sqrt(mean(x^2) + eps)) * w.
+static inline void norm_row(const float* r, const float* w, int64_t K, double eps, float* out) {
+  double ss = 0.0;
+  for (int64_t k = 0; k < K; ++k) ss += double(r[k]) * r[k];
+  const float inv_rms = static_cast<float>(1.0 / std::sqrt(ss / K + eps));
+  for (int64_t k = 0; k < K; ++k) out[k] = (r[k] * inv_rms) * w[k];
+}
+
+torch::Tensor rms_norm_rows(torch::Tensor x_in, torch::Tensor w, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
+              w.numel() == x_in.size(-1), "rms_norm_rows: float32 x [..., K], w [K]");
+  const auto x = x_in.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t K = x.size(-1), N = x.numel() / K;
+  auto out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) norm_row(xp + i * K, wp, K, eps, op + i * K);
+  });
+  return out;
+}
+
 // x [..., K] float32; w_packed [Mp/16, Kp/4, 16, 4] int8; w_scale, colsum, bias (or empty) [M];
 // norm_w [K] or empty (no RMSNorm) -> [..., M] float32.
 torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
@@ -76,6 +100,8 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   const int64_t K = x.size(-1), N = x.numel() / K, M = w_scale.numel();
   const int64_t G = w.size(1), Kp = G * K_GROUP, chunks = w.size(0) / CHUNK_BLOCKS;
   TORCH_CHECK(Kp >= K && Kp < K + K_GROUP && w.size(0) * OUT_BLOCK >= M, "packed weight does not fit x / w_scale");
+  TORCH_CHECK(colsum.numel() == M && colsum.scalar_type() == torch::kInt32 && w_scale.scalar_type() == torch::kFloat32 &&
+              (bias.numel() == 0 || bias.numel() == M), "w_scale, colsum, bias: [M]");
   const float xs = static_cast<float>(x_scale), inv = 1.0f / xs;
   const int32_t zero = static_cast<int32_t>(x_zero);
   TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
@@ -87,10 +113,7 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   for (int64_t i = 0; i < N; ++i) {
     const float* r = xp + i * K;
     if (nw) {
-      double ss = 0.0;
-      for (int64_t k = 0; k < K; ++k) ss += double(r[k]) * r[k];
-      const float inv_rms = static_cast<float>(1.0 / std::sqrt(ss / K + eps));
-      for (int64_t k = 0; k < K; ++k) normed[k] = (r[k] * inv_rms) * nw[k];
+      norm_row(r, nw, K, eps, normed.data());
       r = normed.data();
     }
     float s = 0.f;
@@ -98,7 +121,7 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
     s = std::max(s, 1e-12f);
     row_max[i] = s;
     for (int64_t k = 0; k < K; ++k) {
-      const float v = std::nearbyint((r[k] / s) * inv) + zero;
+      const float v = std::nearbyint(std::fma(r[k] / s, inv, static_cast<float>(zero)));  // fbgemm: fma, then round
       q[i * Kp + k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
     }
   }
@@ -300,6 +323,7 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "a query must see between 1 and capacity keys");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
   at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
     std::vector<float> p(cap), acc0(D), acc1(D);
     for (int64_t bh = bh0; bh < bh1; ++bh) {
@@ -362,6 +386,7 @@ bool has_vnni() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows, "per-token int8 linear for a few rows");
+  m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
 }

@@ -46,23 +46,39 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_zero", torch.zeros_like(w8[:, 0], dtype=torch.int32), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        kernel = int8_kernel.load() if use_kernel else None
-        self._rows = kernel.int8_rows if kernel is not None else None  # the compiled few-token kernel
-        if self._rows is not None:
-            self.register_buffer("weight_packed", pack_weight(w8), persistent=False)
-        self._packed = None if self._rows else torch.ops.quantized.linear_prepack(qw, None)
-        self._wide = None
-        if _onednn_available():
-            self._wide = torch.ops.onednn.qlinear_prepack(w8, None)
         anchor = torch.zeros(1, self.in_features)
         anchor[0, 0], anchor[0, -1] = 1.0, -1.0
         self.register_buffer("anchor", anchor, persistent=False)  # pins fbgemm's tensor range to [-1, 1]
-        # The kernel's arguments as a plain tuple: nn.Module attribute lookups cost ~1 us each.
-        # (int8 is a CPU-only path, so these tensors never move.)
-        self.pre_norm = None  # an RMSNorm run first, inside the kernel (see absorb_norm)
+        self.pre_norm = None  # an RMSNorm run first (see absorb_norm)
+        self._use_kernel = use_kernel
+        self._build_kernels()
+
+    def _build_kernels(self):
+        """The kernels' own copies of the weights (opaque handles: rebuilt, not copied or pickled)."""
+        kernel = int8_kernel.load() if self._use_kernel else None
+        self._kernel = kernel
+        self._rows = kernel.int8_rows if kernel is not None else None  # the compiled few-token kernel
+        self.weight_packed = pack_weight(self.weight_int8) if kernel is not None else None
+        self._packed = None
+        if kernel is None:
+            zeros = torch.zeros(self.out_features, dtype=torch.long)
+            qw = torch._make_per_channel_quantized_tensor(self.weight_int8, self.weight_scale.double(), zeros, 0)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        self._wide = torch.ops.onednn.qlinear_prepack(self.weight_int8, None) if _onednn_available() else None
         self._set_rows_args()
 
+    def __getstate__(self):  # deepcopy / pickle: drop the opaque kernel handles...
+        state = dict(self.__dict__)
+        state.update(_kernel=None, _rows=None, _packed=None, _wide=None, _rows_args=None, weight_packed=None)
+        return state
+
+    def __setstate__(self, state):  # ...and rebuild them from the int8 weights
+        super().__setstate__(state)
+        self._build_kernels()
+
     def _set_rows_args(self):
+        """The kernel's arguments as a plain tuple: nn.Module attribute lookups cost ~1 us each,
+        and the hot path makes one call. (int8 is a CPU-only path: these tensors never move.)"""
         if self._rows is None:
             self._rows_args = None
             return
@@ -73,9 +89,10 @@ class Int8Linear(nn.Module):
 
     def absorb_norm(self, norm: nn.Module) -> bool:
         """Compute linear(norm(x)) from here on, the norm inside the few-token kernel (its
-        ~40 us of small ops per call is a tenth of an int8 decode step). The caller then drops
-        its own call to `norm`. False (nothing changed) without the kernel or for a norm
-        other than a float32 RMSNorm."""
+        ~40 us of small ops per call is a tenth of an int8 decode step) and, for wide inputs,
+        the kernel's rms_norm_rows: the same bits on every path. The caller then drops its
+        own call to `norm`. False (nothing changed) without the kernel or for a norm other
+        than a float32 RMSNorm."""
         if self._rows is None or type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32:
             return False
         self.pre_norm = norm
@@ -83,16 +100,20 @@ class Int8Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._rows is not None and x.dtype == torch.float32 and (x.numel() < WIDE_ROWS * x.shape[-1] or self._wide is None):
-            return self._rows(x, *self._rows_args)  # the hot path: one call, no other op
+        dtype = x.dtype
+        if dtype != torch.float32:
+            x = x.float()
+        if self._rows is not None and (x.numel() < WIDE_ROWS * x.shape[-1] or self._wide is None):
+            y = self._rows(x, *self._rows_args)  # the hot path: one call, no other op
+            return y if dtype == torch.float32 else y.to(dtype)
         if self.pre_norm is not None:
-            x = self.pre_norm(x)
+            x = self._kernel.rms_norm_rows(x, self.pre_norm.weight, self.pre_norm.eps)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()
+        x2 = x.reshape(-1, shape[-1])
         y = self._wide_gemm(x2) if x2.shape[0] >= WIDE_ROWS and self._wide is not None else self._fbgemm(x2)
         if self.bias is not None:
             y = y.add_(self.bias)
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y.view(*shape[:-1], self.out_features).to(dtype)
 
     def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -156,8 +177,9 @@ def _staging(anchor: torch.Tensor, n: int) -> torch.Tensor:
     key = (anchor.shape[1], n)
     buf = _STAGED.get(key)
     if buf is None or buf.device != anchor.device:
-        buf = torch.empty(n + 1, anchor.shape[1], device=anchor.device)
-        buf[n] = anchor[0]
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = torch.empty(n + 1, anchor.shape[1], device=anchor.device)
+            buf[n] = anchor[0]
         if n <= 64:
             _STAGED[key] = buf
     return buf
