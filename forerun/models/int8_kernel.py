@@ -10,14 +10,28 @@ FORERUN_NO_KERNELS=1, `load()` returns None and Int8Linear keeps its pure-PyTorc
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_rows.cpp")
-NAME = "forerun_int8_rows"
+
+
+def _cpu_tag() -> str:
+    """`-march=native` code must not be reused on another CPU (a home directory shared
+    between machines): the build's name carries a hash of this CPU's feature flags."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+NAME = f"forerun_int8_rows_{_cpu_tag()}"
 
 
 @functools.cache
