@@ -63,21 +63,21 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : self.nh + self.nkv], cos, sin)  # q and k rotated in one pass
         q, k, v = qk[:, : self.nh], qk[:, self.nh :], qkv[:, self.nh + self.nkv :]  # (B, nh | nkv, T, hd)
         cache.write(self.layer, batch, k, v)
-        keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
         if self.prefix_attention is not None and batch.starts is not None:  # a chain, int8 kernels
-            out = self._chain_attention(q, keys, values, batch, cache, bias)
+            out = self._chain_attention(q, batch, cache, bias)
         elif T == 1 and batch.attention == "all" and q.dtype in (torch.float32, torch.float64):
-            out = one_query_attention(q, keys, values)  # plain decoding: the most frequent forward
+            out = one_query_attention(q, *cache.read(self.layer, batch))  # plain decoding: the most frequent forward
         else:
-            out = self._sdpa(q, keys, values, batch, bias)
+            out = self._sdpa(q, batch, cache, bias)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-    def _sdpa(self, q, keys, values, batch: ForwardBatch, bias):
+    def _sdpa(self, q, batch: ForwardBatch, cache: KVCache, bias):
+        keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=bias, is_causal=batch.attention == "causal", enable_gqa=self.nkv != self.nh
         )  # (B, nh, T, hd)
 
-    def _chain_attention(self, q, keys, values, batch: ForwardBatch, cache: KVCache, bias):
+    def _chain_attention(self, q, batch: ForwardBatch, cache: KVCache, bias):
         """The int8 model's chain attention. A row with fewer than WIDE_ROWS new tokens goes
         through the per-query kernel, whatever its batch-mates are, so its bits never depend
         on them; longer rows (prefill) through SDPA's flash kernel, which is faster there."""
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]
         if len(short) == len(batch.lengths):
             return self.prefix_attention(q, k_all, v_all, batch.row_index, batch.slots + 1, scale)
-        out = self._sdpa(q, keys, values, batch, bias)
+        out = self._sdpa(q, batch, cache, bias)
         if short:
             idx = torch.tensor(short, device=q.device)
             out[idx] = self.prefix_attention(q[idx], k_all, v_all, batch.row_index[idx], batch.slots[idx] + 1, scale)

@@ -117,13 +117,13 @@ class Int8Linear(nn.Module):
 
     def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [N, 1] (vector_norm(inf): 10x slower)
+        s = _row_scale(x)
         staged = _staging(self.anchor, n)  # [N + 1, in], last row the anchor
         torch.div(x, s, out=staged[:n])
         return torch.ops.quantized.linear_dynamic(staged, self._packed, True)[:n].mul_(s)
 
     def _wide_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+        s = _row_scale(x)
         scale, zero = activation_qparams()
         with _quiet():
             q = torch.quantize_per_tensor(x / s, scale, zero, torch.quint8).int_repr()
@@ -135,6 +135,11 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         kernel = "forerun kernel" if self._rows is not None else "fbgemm"
         return f"in={self.in_features}, out={self.out_features}, int8 per-channel weights, per-token activations, {kernel}"
+
+
+def _row_scale(x: torch.Tensor) -> torch.Tensor:
+    """[N, in] -> [N, 1] each token's max |x| (vector_norm(inf) is 10x slower at 800 rows)."""
+    return x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
 
 
 def pack_weight(w8: torch.Tensor) -> torch.Tensor:
