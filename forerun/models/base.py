@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv_cache import ForwardBatch, KVCache, chain_batch
 
 
 @dataclass
@@ -25,6 +25,19 @@ class DecoderBase(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
+
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
+        skip: frozenset[int] = frozenset(),
+    ) -> ModelOutput:
+        """Run batch.tokens through every layer, writing K/V into `cache`.
+
+        logits_at: "all" (every position), None (no LM head: prefill), or an index tensor
+        [B, T'] of positions per row whose logits are wanted.
+        skip: layer indices to leave out (self-speculative drafting); they neither read
+        nor write the cache.
+        """
+        raise NotImplementedError
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         c = self.config

@@ -174,13 +174,7 @@ class Gemma3ForCausalLM(DecoderBase):
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
         skip: frozenset[int] = frozenset(),
     ) -> ModelOutput:
-        """Run batch.tokens through every layer, writing K/V into `cache`.
-
-        logits_at: "all" (every position), None (no LM head: prefill), or an index tensor
-        [B, T'] of positions per row whose logits are wanted.
-        skip: layer indices to leave out (self-speculative drafting); they neither read
-        nor write the cache.
-        """
+        """The DecoderBase.forward contract."""
         cache.check_fits(batch)
         x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # scale rounded to the model dtype

@@ -173,13 +173,7 @@ class LlamaForCausalLM(DecoderBase):
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
         skip: frozenset[int] = frozenset(),
     ) -> ModelOutput:
-        """Run batch.tokens through every layer, writing K/V into `cache`.
-
-        logits_at: "all" (every position), None (no LM head: prefill), or an index tensor
-        [B, T'] of positions per row whose logits are wanted.
-        skip: layer indices to leave out (self-speculative drafting); they neither read
-        nor write the cache.
-        """
+        """The DecoderBase.forward contract."""
         cache.check_fits(batch)
         x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
         # SDPA would turn a bool mask into an additive one in every layer: do it once here,
