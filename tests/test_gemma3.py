@@ -19,7 +19,7 @@ from forerun.llm import LLM  # noqa: E402
 from forerun.kv_cache import chain_batch, tree_batch  # noqa: E402
 from forerun.models.config import ModelConfig  # noqa: E402
 from forerun.models.gemma3 import Gemma3ForCausalLM  # noqa: E402
-from forerun.models.loader import finish_model  # noqa: E402
+from tests.tiny import hf_reference_pair  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=512, sliding_window=8,
@@ -35,14 +35,7 @@ CASES = {
 
 def _pair(case: str):
     hf_cfg = transformers.Gemma3TextConfig(**{**TINY, **CASES[case]})
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForCausalLM(hf_cfg).double().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.1)
-    ours = Gemma3ForCausalLM(ModelConfig.from_dict(hf_cfg.to_dict()))
-    ours.load_state_dict(hf.state_dict())
-    return hf, finish_model(ours.double(), "float64", "cpu")
+    return hf_reference_pair(hf_cfg, transformers.Gemma3ForCausalLM, Gemma3ForCausalLM)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,9 +5,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from forerun.kv_cache import chain_batch  # noqa: E402
-from forerun.models.config import ModelConfig  # noqa: E402
 from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict  # noqa: E402
-from forerun.models.loader import finish_model  # noqa: E402
+from tests.tiny import hf_reference_pair  # noqa: E402
 
 BASE = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
@@ -25,14 +24,7 @@ CASES = {
 def _pair(case: str):
     cfg_cls, model_cls, over = CASES[case]
     hf_cfg = getattr(transformers, cfg_cls)(**{**BASE, **over})
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(hf_cfg).double().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.1)
-    ours = LlamaForCausalLM(ModelConfig.from_dict(hf_cfg.to_dict()))
-    ours.load_state_dict(fuse_hf_state_dict(hf.state_dict()))
-    return hf, finish_model(ours.double(), "float64", "cpu")
+    return hf_reference_pair(hf_cfg, getattr(transformers, model_cls), LlamaForCausalLM, fuse_hf_state_dict)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -44,3 +44,16 @@ def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM
     keep = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
     small.load_state_dict(keep, strict=False, assign=True)
     return finish_model(small, "float32" if model.dtype == torch.float32 else "float64", model.device)
+
+
+def hf_reference_pair(hf_cfg, hf_model_cls, our_cls, convert=lambda state: state):
+    """A transformers model with random float64 weights (std 0.1, seed 0) and forerun's
+    `our_cls` loaded with the same weights (through `convert`, e.g. fuse_hf_state_dict)."""
+    torch.manual_seed(0)
+    hf = hf_model_cls(hf_cfg).double().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1)
+    ours = our_cls(ModelConfig.from_dict(hf_cfg.to_dict()))
+    ours.load_state_dict(convert(hf.state_dict()))
+    return hf, finish_model(ours.double(), "float64", "cpu")
