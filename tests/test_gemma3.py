@@ -19,7 +19,7 @@ from forerun.llm import LLM  # noqa: E402
 from forerun.kv_cache import chain_batch, tree_batch  # noqa: E402
 from forerun.models.config import ModelConfig  # noqa: E402
 from forerun.models.gemma3 import Gemma3ForCausalLM  # noqa: E402
-from tests.tiny import hf_reference_pair  # noqa: E402
+from tests.tiny import assert_full_forward_matches, hf_reference_pair  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=512, sliding_window=8,
@@ -40,12 +40,7 @@ def _pair(case: str):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_full_forward(case):
-    hf, ours = _pair(case)
-    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    got = ours(chain_batch(ids.tolist(), [0, 0], [0, 1], ours.device), ours.new_cache(2, 40)).logits
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert_full_forward_matches(*_pair(case))
 
 
 @pytest.mark.parametrize("case", list(CASES))

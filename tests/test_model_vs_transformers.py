@@ -6,7 +6,7 @@ transformers = pytest.importorskip("transformers")
 
 from forerun.kv_cache import chain_batch  # noqa: E402
 from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict  # noqa: E402
-from tests.tiny import hf_reference_pair  # noqa: E402
+from tests.tiny import assert_full_forward_matches, hf_reference_pair  # noqa: E402
 
 BASE = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
@@ -29,13 +29,7 @@ def _pair(case: str):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_full_forward(case):
-    hf, ours = _pair(case)
-    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    cache = ours.new_cache(2, 40)
-    got = ours(chain_batch(ids.tolist(), [0, 0], [0, 1], ours.device), cache).logits
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert_full_forward_matches(*_pair(case))
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "qwen2-bias"])

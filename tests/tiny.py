@@ -5,6 +5,7 @@ import torch
 
 import dataclasses
 
+from forerun.kv_cache import chain_batch
 from forerun.models.config import ModelConfig
 from forerun.models.llama import LlamaForCausalLM
 from forerun.models.loader import finish_model
@@ -57,3 +58,12 @@ def hf_reference_pair(hf_cfg, hf_model_cls, our_cls, convert=lambda state: state
     ours = our_cls(ModelConfig.from_dict(hf_cfg.to_dict()))
     ours.load_state_dict(convert(hf.state_dict()))
     return hf, finish_model(ours.double(), "float64", "cpu")
+
+
+def assert_full_forward_matches(hf, ours):
+    """Two sequences of 40 random ids through both models in one forward: equal logits."""
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = ours(chain_batch(ids.tolist(), [0, 0], [0, 1], ours.device), ours.new_cache(2, 40)).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
