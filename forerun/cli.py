@@ -42,8 +42,22 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--lookahead-pool", type=int, default=4)
 
 
+class _Version(argparse.Action):
+    """--version, computed only when asked (it imports torch and may build the int8 kernel)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from forerun.about import describe
+
+        print(describe())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forerun", description="Lossless speculative decoding.")
+    parser.add_argument("--version", action=_Version, help="versions, CPU features and the int8 paths in use, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream one completion, then plain vs speculative stats")
     g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)

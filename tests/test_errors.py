@@ -127,3 +127,15 @@ def test_weights_that_do_not_fit_the_config(tmp_path):
 
 def test_tune_skip_rejects_zero_confirm(capsys):
     assert "--confirm" in _cli_error(capsys, ["tune-skip", "--confirm", "0"])
+
+
+def test_version_names_the_int8_paths(capsys):
+    import pytest as _pytest
+
+    from forerun.cli import main
+
+    with _pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("forerun ") and "torch" in out and "int8 64+ tokens:" in out

@@ -99,3 +99,62 @@ def test_a_wide_forward_gives_each_row_its_own_logits(verifier):
         for i, r in enumerate(rows):
             alone = m(chain_batch([r], [0], [0], m.device), m.new_cache(1, 8)).logits
             assert torch.equal(together[i], alone[0]), i
+
+
+LONG_PROMPTS = [[(11 * i + 3 * j + j * j) % 31 + 1 for j in range(n)] for i, n in enumerate((70, 131, 96, 64, 200))]
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_long_prompts_together_equal_one_by_one(verifier, method):
+    """Prompts past WIDE_ROWS tokens (prefill through the wide linears and SDPA, each row
+    on its own shapes), of different lengths, batched with each other and with a short
+    one: every completion equals the one it gets alone, plain and speculative."""
+    prompts = LONG_PROMPTS + [PROMPTS[0]]
+    spec = SpeculativeConfig("ngram", 4, ngram_max=3) if method else None
+    params = SamplingParams(temperature=0, max_tokens=24)
+    alone = [verifier.generate([p], params, speculative=spec)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in verifier.generate(prompts, params, speculative=spec)] == alone
+
+
+def test_a_ragged_long_prefill_gives_each_row_its_own_logits(verifier):
+    """The bit-level version for prefill: rows of 70-200 tokens and one of 8, together and
+    alone, logits equal to the last bit at every real position."""
+    import torch
+
+    from forerun.kv_cache import chain_batch
+
+    m = verifier.model
+    rows = LONG_PROMPTS + [PROMPTS[0]]
+    n = len(rows)
+    with torch.inference_mode():
+        together = m(chain_batch(rows, [0] * n, list(range(n)), m.device), m.new_cache(n, 256)).logits
+        for i, r in enumerate(rows):
+            alone = m(chain_batch([r], [0], [0], m.device), m.new_cache(1, 256)).logits
+            assert torch.equal(together[i, : len(r)], alone[0]), i
+
+
+def _rows_differing_alone(model, rows) -> int:
+    import torch
+
+    from forerun.kv_cache import chain_batch
+
+    n = len(rows)
+    with torch.inference_mode():
+        together = model(chain_batch(rows, [0] * n, list(range(n)), model.device), model.new_cache(n, 256)).logits
+        return sum(
+            not torch.equal(together[i, : len(r)], model(chain_batch([r], [0], [0], model.device), model.new_cache(1, 256)).logits[0])
+            for i, r in enumerate(rows)
+        )
+
+
+def test_these_checks_catch_batch_dependent_attention(verifier):
+    """The checks keep their power: with the per-query attention switched off (SDPA over
+    the padded batch), ragged rows no longer get their own bits, and the check sees it."""
+    import copy
+
+    model = copy.deepcopy(verifier.model)
+    for layer in model.model.layers:
+        layer.self_attn.prefix_attention = None
+    ragged = [[(7 * i + j) % 30 + 1 for j in range(3 + i)] for i in range(12)] + LONG_PROMPTS
+    assert _rows_differing_alone(verifier.model, ragged) == 0
+    assert _rows_differing_alone(model, ragged) > 0

@@ -6,6 +6,10 @@ one call, with the same bits as the fbgemm path. It is compiled once per machine
 torch's C++ extension builder (g++ and ninja; `-march=native` picks AVX512-VNNI where the
 CPU has it) and cached by torch (TORCH_EXTENSIONS_DIR). Without a compiler, or with
 FORERUN_NO_KERNELS=1, `load()` returns None and Int8Linear keeps its pure-PyTorch path.
+
+FORERUN_KERNEL_MARCH (default `native`) builds for less than this CPU, e.g. `x86-64-v4`
+(AVX512 without VNNI: the plain C++ dot products) or `x86-64-v3` (AVX2), so the bit-level
+tests can run each code path on one machine (tests/test_isa_levels.py).
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-NAME = f"forerun_int8_rows_{_cpu_tag()}"
+MARCH = os.environ.get("FORERUN_KERNEL_MARCH", "native").strip() or "native"
+NAME = f"forerun_int8_rows_{_cpu_tag()}" + ("" if MARCH == "native" else "_" + hashlib.sha1(MARCH.encode()).hexdigest()[:6])
 
 
 @functools.cache
@@ -48,7 +53,7 @@ def load():
         return cpp_extension.load(
             name=NAME,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],  # no silent FMA: same bits every path
+            extra_cflags=["-O3", f"-march={MARCH}", "-ffp-contract=off", "-fopenmp"],  # no silent FMA: same bits every path
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -78,19 +78,36 @@ class Attention(nn.Module):
         )  # (B, nh, T, hd)
 
     def _chain_attention(self, q, batch: ForwardBatch, cache: KVCache, bias):
-        """The int8 model's chain attention. A row with fewer than WIDE_ROWS new tokens goes
-        through the per-query kernel, whatever its batch-mates are, so its bits never depend
-        on them; longer rows (prefill) through SDPA's flash kernel, which is faster there."""
-        short = [b for b, n in enumerate(batch.lengths) if n < WIDE_ROWS]
+        """The int8 model's chain attention, computed so that a row's bits never depend on
+        its batch-mates: a row with fewer than WIDE_ROWS new tokens goes through the
+        per-query kernel; a longer one (a prompt) through SDPA's flash kernel on that row
+        alone, with exactly the shapes it would have if it were the only row."""
         scale = self.hd**-0.5
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]
-        if len(short) == len(batch.lengths):
+        long = [b for b, n in enumerate(batch.lengths) if n >= WIDE_ROWS]
+        if not long:
             return self.prefix_attention(q, k_all, v_all, batch.row_index, batch.slots + 1, scale)
-        out = self._sdpa(q, batch, cache, bias)
+        out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)
+        for b in long:
+            out[b : b + 1, :, : batch.lengths[b]] = self._row_sdpa(q[b : b + 1], k_all, v_all, batch, b)
+        short = [b for b in range(len(batch.lengths)) if b not in long]
         if short:
             idx = torch.tensor(short, device=q.device)
             out[idx] = self.prefix_attention(q[idx], k_all, v_all, batch.row_index[idx], batch.slots[idx] + 1, scale)
         return out
+
+    def _row_sdpa(self, q, k_all, v_all, batch: ForwardBatch, b: int):
+        """q [1, nh, T, hd] of batch entry b -> [1, nh, n, hd] for its n real queries, which
+        see slots [0, start + i]: causal from slot 0, else an explicit prefix mask."""
+        row, start, n = batch.rows[b], batch.starts[b], batch.lengths[b]
+        keys, values = k_all[row : row + 1, :, : start + n], v_all[row : row + 1, :, : start + n]
+        mask = None
+        if start:
+            slots = torch.arange(start + n, device=q.device)
+            mask = slots[None, :] <= (start + torch.arange(n, device=q.device))[:, None]  # [n, start + n]
+        return F.scaled_dot_product_attention(
+            q[:, :, :n], keys, values, attn_mask=mask, is_causal=not start, enable_gqa=self.nkv != self.nh
+        )
 
 
 class MLP(nn.Module):

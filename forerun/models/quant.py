@@ -12,7 +12,10 @@ A token's output is then independent of its batch-mates *given the same input ro
 Three kernels compute those same bits (tested), each where it is fastest on the CPU:
   - a few tokens (decoding, verifying a draft): forerun's compiled kernel (int8_rows.cpp),
     one call per linear; falls back to fbgemm where it cannot be built;
-  - many tokens (prefill): oneDNN's int8 GEMM (AMX/VNNI; 2-4x fbgemm at 800 tokens).
+  - many tokens (prefill): oneDNN's int8 GEMM where it gives those bits on this CPU (with
+    AMX it does, and is 2-4x fbgemm at 800 tokens; on AVX512-VNNI without AMX its float
+    epilogue rounds differently), else the few-token path for every size. The check runs
+    once per process (int8_probe.wide_path) and `forerun --version` shows its verdict.
 Whole-model identity between scoring one token and several still does not follow: the
 float ops before each linear (attention, norms) differ in the last bits between the two
 shapes, and a last-bit change that flips one rounding moves the value by a whole
@@ -61,10 +64,10 @@ class Int8Linear(nn.Module):
         self.weight_packed = pack_weight(self.weight_int8) if kernel is not None else None
         self._packed = None
         if kernel is None:
-            zeros = torch.zeros(self.out_features, dtype=torch.long)
-            qw = torch._make_per_channel_quantized_tensor(self.weight_int8, self.weight_scale.double(), zeros, 0)
-            self._packed = torch.ops.quantized.linear_prepack(qw, None)
-        self._wide = torch.ops.onednn.qlinear_prepack(self.weight_int8, None) if _onednn_available() else None
+            self._packed = fbgemm_prepack(self.weight_int8, self.weight_scale)
+        from forerun.models.int8_probe import wide_path  # (a cycle at import time otherwise)
+
+        self._wide = torch.ops.onednn.qlinear_prepack(self.weight_int8, None) if wide_path() == "onednn" else None
         self._set_rows_args()
 
     def __getstate__(self):  # deepcopy / pickle: drop the opaque kernel handles...
@@ -116,25 +119,43 @@ class Int8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features).to(dtype)
 
     def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        s = _row_scale(x)
-        staged = _staging(self.anchor, n)  # [N + 1, in], last row the anchor
-        torch.div(x, s, out=staged[:n])
-        return torch.ops.quantized.linear_dynamic(staged, self._packed, True)[:n].mul_(s)
+        return fbgemm_rows(x, self._packed, self.anchor)
 
     def _wide_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        s = _row_scale(x)
-        scale, zero = activation_qparams()
-        with _quiet():
-            q = torch.quantize_per_tensor(x / s, scale, zero, torch.quint8).int_repr()
-        y = torch.ops.onednn.qlinear_pointwise(
-            q, scale, zero, self._wide, self.weight_scale, self.weight_zero, None, 1.0, 0, torch.float32, "none", [], ""
-        )
-        return y.mul_(s)
+        return onednn_rows(x, self._wide, self.weight_scale, self.weight_zero)
 
     def extra_repr(self) -> str:
         kernel = "forerun kernel" if self._rows is not None else "fbgemm"
         return f"in={self.in_features}, out={self.out_features}, int8 per-channel weights, per-token activations, {kernel}"
+
+
+def fbgemm_prepack(w8: torch.Tensor, w_scale: torch.Tensor):
+    """fbgemm's packed form of int8 weights [out, in] with per-channel scales [out]."""
+    zeros = torch.zeros(w8.shape[0], dtype=torch.long)
+    qw = torch._make_per_channel_quantized_tensor(w8, w_scale.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(qw, None)
+
+
+def fbgemm_rows(x: torch.Tensor, packed, anchor: torch.Tensor) -> torch.Tensor:
+    """[N, in] -> [N, out] (no bias): the reference numerics, any N (the anchor row pins the
+    tensor's quantisation range to [-1, 1], so every row is quantised on its own)."""
+    n = x.shape[0]
+    s = _row_scale(x)
+    staged = _staging(anchor, n)  # [N + 1, in], last row the anchor
+    torch.div(x, s, out=staged[:n])
+    return torch.ops.quantized.linear_dynamic(staged, packed, True)[:n].mul_(s)
+
+
+def onednn_rows(x: torch.Tensor, prepacked, w_scale: torch.Tensor, w_zero: torch.Tensor) -> torch.Tensor:
+    """[N, in] -> [N, out] (no bias) through oneDNN's int8 GEMM, per-token scaled like the others."""
+    s = _row_scale(x)
+    scale, zero = activation_qparams()
+    with _quiet():
+        q = torch.quantize_per_tensor(x / s, scale, zero, torch.quint8).int_repr()
+    y = torch.ops.onednn.qlinear_pointwise(
+        q, scale, zero, prepacked, w_scale, w_zero, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    return y.mul_(s)
 
 
 def _row_scale(x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +174,7 @@ def pack_weight(w8: torch.Tensor) -> torch.Tensor:
     return padded.view(Mp // 16, 16, Kp // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
-def _onednn_available() -> bool:
+def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 

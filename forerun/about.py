@@ -1,0 +1,49 @@
+"""What `forerun --version` prints: versions, and which CPU-dependent numeric paths this
+machine runs (the int8 kernels and the wide-GEMM choice decide whether int8 output is
+batch-invariant here; see docs/ARCHITECTURE.md, "Paths chosen by the CPU")."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def cpu_features() -> list[str]:
+    """The CPU flags that change a numeric path (AMX, AVX512-VNNI/BF16, AVX-VNNI, AVX2)."""
+    wanted = ("amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx512_bf16", "avx_vnni", "avx512f", "avx2")
+    try:
+        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    have = set(line.split(":", 1)[1].split())
+    return [f for f in wanted if f in have]
+
+
+def int8_paths() -> dict[str, str]:
+    """The int8 path's pieces on this machine (builds the kernel if it is not built yet)."""
+    from forerun.models import int8_kernel
+    from forerun.models.int8_probe import wide_path
+
+    kernel = int8_kernel.load()
+    if kernel is None:
+        few = "fbgemm (no compiled kernel: int8 speculative output is not bit-identical to plain)"
+    else:
+        few = f"forerun kernel, -march={int8_kernel.MARCH}, " + ("AVX512-VNNI" if kernel.has_vnni() else "plain C++ dot products")
+    wide = {"onednn": "oneDNN (matches fbgemm's bits on this CPU)", "kernel": "forerun kernel (oneDNN's bits differ on this CPU)",
+            "fbgemm": "fbgemm"}[wide_path()]
+    return {"few tokens": few, "64+ tokens": wide, "chain attention": "per-query kernel" if kernel is not None else "SDPA"}
+
+
+def describe() -> str:
+    import torch
+
+    import forerun
+
+    lines = [
+        f"forerun {forerun.__version__}",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, Python {platform.python_version()}",
+        f"CPU: {platform.machine()}, {' '.join(cpu_features()) or 'no AVX2/AVX512 flags read'}"
+        + (f" (ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']})" if os.environ.get("ONEDNN_MAX_CPU_ISA") else ""),
+    ]
+    lines += [f"int8 {k}: {v}" for k, v in int8_paths().items()]
+    return "\n".join(lines)

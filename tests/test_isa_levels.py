@@ -1,0 +1,53 @@
+"""The int8 bit-level tests under lower CPU levels than this machine's, in subprocesses:
+oneDNN capped by ONEDNN_MAX_CPU_ISA (read once, at its first use: hence a new process),
+torch's own vectorised ops (SDPA, norms, softmax) by ATEN_CPU_CAPABILITY, and forerun's
+kernel compiled for less than the host (FORERUN_KERNEL_MARCH). A CPU with AMX
+then also checks the AVX512-VNNI-only path, and every CPU checks AVX512 without VNNI and
+AVX2, so a change that breaks one of them fails here, not on a user's machine."""
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIT_LEVEL_TESTS = ["tests/test_quant.py", "tests/test_int8_identity.py", "tests/test_int8_probe.py"]
+LEVELS = [  # (ONEDNN_MAX_CPU_ISA, FORERUN_KERNEL_MARCH, ATEN_CPU_CAPABILITY, CPU flags the level needs)
+    ("AVX512_CORE_VNNI", "native", "", {"avx512_vnni"}),
+    ("AVX512_CORE", "x86-64-v4", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    ("AVX2", "x86-64-v3", "avx2", {"avx2", "fma", "bmi2"}),
+]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
+@pytest.mark.parametrize("isa,march,aten,needs", LEVELS, ids=[level[0] for level in LEVELS])
+def test_int8_bits_hold_at_this_isa_level(isa, march, aten, needs):
+    missing = needs - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)}")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa, FORERUN_KERNEL_MARCH=march)
+    if aten:
+        env["ATEN_CPU_CAPABILITY"] = aten
+    env.pop("FORERUN_INT8_WIDE", None)
+    probe = "from forerun.models import int8_kernel as k; m = k.load(); print(None if m is None else m.has_vnni())"
+    built = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    vnni = built.stdout.strip().splitlines()[-1] if built.stdout.strip() else "None"
+    if march != "native":  # the level's kernel really is the lower one (or none where g++ is missing)
+        assert vnni in ("False", "None"), built.stdout + built.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *BIT_LEVEL_TESTS],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, f"ONEDNN_MAX_CPU_ISA={isa} FORERUN_KERNEL_MARCH={march}:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and (vnni == "None" or "skipped" not in summary), run.stdout[-2000:]
