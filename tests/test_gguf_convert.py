@@ -32,11 +32,14 @@ def to_llama_cpp_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def tiny_hf_weights(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights in HF names and layout; q/k/v/o, embeddings and head are untied."""
+def tiny_hf_weights(vocab: int, seed: int = 0, qkv_bias: bool = False, tied: bool = False) -> dict[str, np.ndarray]:
+    """Random weights in HF names and layout; q/k/v/o and embeddings untied from the head unless
+    `tied` (no lm_head); q/k/v biases (Qwen2's) with `qkv_bias`."""
     rng = np.random.default_rng(seed)
     h, f, hd = TINY["hidden"], TINY["ffn"], TINY["hidden"] // TINY["heads"]
-    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, h)
     for i in range(TINY["layers"]):
         p = f"model.layers.{i}."
         shapes |= {
@@ -50,6 +53,9 @@ def tiny_hf_weights(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if qkv_bias:
+            shapes |= {p + f"self_attn.{x}_proj.bias": (n * hd,) for x, n in
+                       (("q", TINY["heads"]), ("k", TINY["kv_heads"]), ("v", TINY["kv_heads"]))}
     return {name: (rng.standard_normal(shape) * 0.2).astype(np.float32) for name, shape in shapes.items()}
 
 
@@ -62,14 +68,26 @@ def gguf_name(hf_name: str) -> str:
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"
+    module, suffix = rest.rsplit(".", 1)  # suffix: weight or bias
+    return f"blk.{layer}.{parts[module]}.{suffix}"
+
+
+def token_type(token: str) -> int:
+    """llama.cpp's token_type for the tiny vocabularies: <|...|> control (3), <tool_call> and
+    </tool_call> user-defined (4, as in Qwen2.5's files), the rest normal (1)."""
+    if token.startswith("<|"):
+        return 3
+    return 4 if token in ("<tool_call>", "</tool_call>") else 1
 
 
 def write_tiny_gguf(path, weights: dict[str, np.ndarray], tokens, merges, arch: str = "llama") -> None:
-    """A llama GGUF as llama.cpp's converter would write it: q/k permuted, 2-D weights as F16
-    except q/k (F32, so they can be compared exactly with the originals), norms F32."""
+    """A GGUF as llama.cpp's converter would write it: 2-D weights as F16 except q/k (F32, so
+    they can be compared exactly with the originals), norms and biases F32. A llama file has
+    q/k rows permuted for llama.cpp's RoPE; a qwen2 file keeps HF's rows (llama.cpp permutes
+    llama only), Qwen's pre-tokenizer and its RoPE base of 1e6."""
     import gguf
 
+    qwen2 = arch == "qwen2"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(TINY["layers"])
     writer.add_context_length(TINY["context"])
@@ -78,21 +96,21 @@ def write_tiny_gguf(path, weights: dict[str, np.ndarray], tokens, merges, arch: 
     writer.add_head_count(TINY["heads"])
     writer.add_head_count_kv(TINY["kv_heads"])
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(1e6 if qwen2 else 10000.0)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre("qwen2" if qwen2 else "default")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_types([token_type(t) for t in tokens])
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, value in weights.items():
-        if ".q_proj." in name:
+        if arch == "llama" and name.endswith("q_proj.weight"):
             value = to_llama_cpp_rows(value, TINY["heads"])
-        elif ".k_proj." in name:
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             value = to_llama_cpp_rows(value, TINY["kv_heads"])
-        elif value.ndim == 2:
+        elif value.ndim == 2 and not name.endswith(("q_proj.weight", "k_proj.weight")):
             value = value.astype(np.float16)
         writer.add_tensor(gguf_name(name), value)
     writer.write_header_to_file()
@@ -189,4 +207,13 @@ def test_unsupported_architecture(tmp_path):
     path = tmp_path / "other.gguf"
     write_tiny_gguf(path, tiny_hf_weights(len(tokens)), tokens, [], arch="qwen3")
     with pytest.raises(ModelLoadError, match="other.gguf.*'qwen3' is not supported"):
+        convert_gguf_to_hf(path, tmp_path / "out", progress=False)
+
+
+def test_llama_refuses_a_bias_it_has_no_place_for(tmp_path):
+    """Only qwen2 has q/k/v biases; in a llama file one must fail, not vanish from the model."""
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *gpt2_byte_chars(), "Ġt"]
+    path = tmp_path / "biased.gguf"
+    write_tiny_gguf(path, tiny_hf_weights(len(tokens), qkv_bias=True), tokens, ["Ġ t"])
+    with pytest.raises(ModelLoadError, match="biased.gguf: unexpected tensor 'blk.0.attn_q.bias' for a llama"):
         convert_gguf_to_hf(path, tmp_path / "out", progress=False)

@@ -1,4 +1,4 @@
-"""Convert a llama or gemma3 GGUF file into a Hugging Face model folder, once.
+"""Convert a llama, qwen2 or gemma3 GGUF file into a Hugging Face model folder, once.
 
 The rest of forerun only reads HF-style folders (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json). A GGUF holds the same things in llama.cpp's shape: hyperparameters and the
@@ -23,7 +23,7 @@ import numpy as np
 
 from forerun.errors import ModelLoadError
 
-# llama.cpp name -> HF name. Per-layer names are `blk.{i}.{key}.weight`.
+# llama.cpp name -> HF name. Per-layer names are `blk.{i}.{key}.weight` (and `.bias`, see _Arch.biased).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -55,7 +55,8 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",  # the same GGUF name as llama's, another HF one
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_QKV = ("attn_q", "attn_k", "attn_v")
 
 # tokenizer.ggml.token_type values (llama.cpp's enum).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -139,27 +140,42 @@ def _vocab_rows(reader, path: Path) -> int:
 
 def llama_config(meta: dict[str, Any], reader, path: Path) -> dict[str, Any]:
     """The HF config.json for a llama GGUF; ModelLoadError for what the conversion cannot express."""
-    need = _needer(meta, "llama", path)
-    scaling = meta.get("llama.rope.scaling.type", "none")
+    shared = _llama_family_config(meta, reader, path, "llama")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shared, "attention_bias": False}
+
+
+def qwen2_config(meta: dict[str, Any], reader, path: Path) -> dict[str, Any]:
+    """The HF config.json for a qwen2 GGUF: llama's numbers, plus the q/k/v biases Qwen2 has.
+
+    llama.cpp runs qwen2 with full attention in every layer, as Qwen2.5's own configs do
+    (use_sliding_window false). Its files state rope.freq_base (1e6 for Qwen2.5); a file without
+    it gets 10000, the default of both llama.cpp and transformers' Qwen2Config.
+    """
+    shared = _llama_family_config(meta, reader, path, "qwen2")
+    extra = {"attention_bias": True, "use_sliding_window": False}
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shared, **extra}
+
+
+def _llama_family_config(meta: dict[str, Any], reader, path: Path, arch: str) -> dict[str, Any]:
+    """The config.json fields llama and qwen2 GGUFs spell alike (under `{arch}.` keys)."""
+    need = _needer(meta, arch, path)
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     names = {t.name for t in reader.tensors}
     if scaling != "none" or "rope_freqs.weight" in names:
         raise ModelLoadError(f"{path}: RoPE scaling ({scaling}, rope_freqs) is not supported in GGUF conversion")
     hidden, n_head = int(need("embedding_length")), int(need("attention.head_count"))
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": _vocab_rows(reader, path),  # llama.vocab_size is optional
+        "vocab_size": _vocab_rows(reader, path),  # {arch}.vocab_size is optional
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_head)),
-        "head_dim": int(meta.get("llama.attention.key_length", hidden // n_head)),
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // n_head)),
         "hidden_act": "silu",
-        "attention_bias": False,
         "mlp_bias": False,
         "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "max_position_embeddings": int(need("context_length")),
         "tie_word_embeddings": "output.weight" not in names,
@@ -226,10 +242,13 @@ class _Arch:
     layer_names: dict[str, str]  # llama.cpp per-layer name -> HF name
     rope_rows_permuted: bool  # llama.cpp interleaved each q/k head's rows for its RoPE (llama only)
     norm_shift: float  # llama.cpp stores Gemma norm weights as 1 + w: subtract this to get HF's w
+    biased: tuple[str, ...] = ()  # per-layer names that also carry a `.bias` (qwen2's q/k/v)
 
 
 _ARCHITECTURES = {
     "llama": _Arch(llama_config, _LAYER_NAMES, rope_rows_permuted=True, norm_shift=0.0),
+    # llama.cpp's converter permutes q/k for llama only; qwen2 rows are already in HF's order.
+    "qwen2": _Arch(qwen2_config, _LAYER_NAMES, rope_rows_permuted=False, norm_shift=0.0, biased=_QKV),
     "gemma3": _Arch(gemma3_config, _GEMMA3_LAYER_NAMES, rope_rows_permuted=False, norm_shift=1.0),
 }
 
@@ -245,19 +264,25 @@ def _architecture(meta: dict[str, Any], path: Path) -> _Arch:
 # --- weights -----------------------------------------------------------------------------------
 
 
-def hf_tensor_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
+def hf_tensor_name(
+    gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES, biased: tuple[str, ...] = ()
+) -> str | None:
     """HF name for a llama.cpp tensor name, or None if forerun does not know it.
 
+    A `.bias` is known only for the layer names in `biased`: a bias the architecture has no
+    place for (a q bias in a llama file) must be refused, not silently dropped.
     >>> hf_tensor_name("blk.3.attn_k.weight")
     'model.layers.3.self_attn.k_proj.weight'
     >>> hf_tensor_name("blk.0.ffn_norm.weight", _GEMMA3_LAYER_NAMES)
     'model.layers.0.pre_feedforward_layernorm.weight'
+    >>> hf_tensor_name("blk.5.attn_q.bias", biased=_QKV), hf_tensor_name("blk.5.attn_q.bias")
+    ('model.layers.5.self_attn.q_proj.bias', None)
     """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match[2] in layer_names:
-        return f"model.layers.{match[1]}.{layer_names[match[2]]}.weight"
+    if match and match[2] in layer_names and (match[3] == "weight" or match[2] in biased):
+        return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
     return None
 
 
@@ -296,7 +321,7 @@ def _hf_state_dict(reader, arch: _Arch, config: dict[str, Any], path: Path, prog
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state = {}
     for tensor in tqdm(reader.tensors, desc="GGUF -> safetensors", unit="tensor", disable=not progress):
-        name = hf_tensor_name(tensor.name, arch.layer_names)
+        name = hf_tensor_name(tensor.name, arch.layer_names, arch.biased)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {config['model_type']} model")
         values = _dequantize(tensor, path)
@@ -312,9 +337,9 @@ def _hf_state_dict(reader, arch: _Arch, config: dict[str, Any], path: Path, prog
 
 def _check_complete(state: dict[str, np.ndarray], arch: _Arch, config: dict[str, Any], path: Path) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {
-        f"model.layers.{i}.{hf}.weight" for i in range(config["num_hidden_layers"]) for hf in arch.layer_names.values()
-    }
+    for i in range(config["num_hidden_layers"]):
+        expected |= {f"model.layers.{i}.{hf}.weight" for hf in arch.layer_names.values()}
+        expected |= {f"model.layers.{i}.{arch.layer_names[kind]}.bias" for kind in arch.biased}
     missing = sorted(expected - state.keys())
     if missing:
         raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} {config['model_type']} tensor(s), e.g. {missing[0]}")
@@ -366,7 +391,9 @@ def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], path: Path):
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     except Exception as e:  # a merge naming an unknown token, or one without a space
         raise ModelLoadError(f"{path}: inconsistent tokenizer merges in GGUF metadata: {e}") from None
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
+    normalizer, tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, tokens
 
@@ -419,22 +446,37 @@ def sentencepiece_merges(pieces: list[str], vocab: dict[str, int]) -> list[tuple
 _TOKENIZER_MODELS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}  # tokenizer.ggml.model -> builder
 
 
+# Qwen2's word split (transformers' Qwen2Tokenizer, llama.cpp's "qwen2"): GPT-2's, except that
+# contractions match in any case ("I'LL" -> "'LL"), a letter run takes one leading non-letter
+# ("(x" stays whole) and every digit stands alone.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 def _pre_tokenizer(pre: str, path: Path):
-    """How text is cut into words before BPE, from `tokenizer.ggml.pre`.
+    """(normalizer or None, pre-tokenizer): how text is cut into words before BPE, from
+    `tokenizer.ggml.pre`.
 
     "smollm" is GPT-2's split plus every digit on its own, as SmolLM's own tokenizer.json has it
     (its vocabulary has no multi-digit tokens, so the digit split never changes the ids, but it
-    keeps us honest for text the merges would otherwise join). Other split regexes (llama-bpe,
-    qwen2...) are not implemented: refuse rather than tokenise differently from the model's training.
+    keeps us honest for text the merges would otherwise join). "qwen2" is Qwen2's tokenizer.json:
+    NFC first, then its split regex, then the byte mapping alone. Other split regexes
+    (llama-bpe...) are not implemented: refuse rather than tokenise differently from training.
     """
-    from tokenizers import pre_tokenizers
+    from tokenizers import Regex, normalizers, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("default", "gpt2"):
-        return byte_level
+        return None, byte_level
     if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    raise ModelLoadError(f"{path}: pre-tokenizer {pre!r} is not supported (known: default, gpt2, smollm)")
+        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre == "qwen2":
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
+        bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return normalizers.NFC(), pre_tokenizers.Sequence([split, bytes_only])
+    raise ModelLoadError(f"{path}: pre-tokenizer {pre!r} is not supported (known: default, gpt2, smollm, qwen2)")
 
 
 def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -459,15 +501,30 @@ def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+# general.architecture -> tokens that end a chat turn besides the file's eos (HF's folders list
+# both in generation_config.json: Gemma's [<eos>, <end_of_turn>], Qwen2.5-Instruct's
+# [<|im_end|>, <|endoftext|>]).
+_TURN_ENDS = {"gemma3": ("<end_of_turn>",), "qwen2": ("<|im_end|>", "<|endoftext|>")}
+
+
 def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """generation_config.json for Gemma: a chat turn ends with <end_of_turn>, not <eos>, and HF's
-    Gemma folders stop on both. Empty (no file) for other models."""
+    """generation_config.json stopping on every turn end: a GGUF names one eos, but a chat turn
+    may end with another token (Gemma's <end_of_turn>; Qwen's <|im_end|> or, for a base
+    model, <|endoftext|>). Empty (no file) when there is nothing beyond the eos to add.
+
+    >>> _generation_config({"general.architecture": "qwen2", "tokenizer.ggml.eos_token_id": 2,
+    ...     "tokenizer.ggml.tokens": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]})
+    {'bos_token_id': None, 'eos_token_id': [2, 0]}
+    """
     tokens = meta["tokenizer.ggml.tokens"]
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    if meta.get("general.architecture") != "gemma3" or "<end_of_turn>" not in tokens or eos is None:
+    ends = [eos] if eos is not None else []
+    for name in _TURN_ENDS.get(meta.get("general.architecture"), ()):
+        if name in tokens and tokens.index(name) not in ends:
+            ends.append(tokens.index(name))
+    if len(ends) < 2:
         return {}
-    end_of_turn = tokens.index("<end_of_turn>")
-    return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": [eos, end_of_turn]}
+    return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": ends}
 
 
 # --- writing -----------------------------------------------------------------------------------
