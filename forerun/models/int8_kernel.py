@@ -23,6 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_rows.cpp")
+SOURCES = [SOURCE, Path(__file__).with_name("f32_rows.cpp")]
 
 
 def _cpu_tag() -> str:
@@ -52,7 +53,7 @@ def load():
             print("forerun: compiling the int8 kernel once for this machine (about 40 s)...", file=sys.stderr, flush=True)
         return cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", f"-march={MARCH}", "-ffp-contract=off", "-fopenmp"],  # no silent FMA: same bits every path
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -384,7 +384,10 @@ bool has_vnni() {
 #endif
 }
 
+torch::Tensor f32_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, int64_t M);  // f32_rows.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
   m.def("int8_rows", &int8_rows, "per-token int8 linear for a few rows");
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");

@@ -184,6 +184,12 @@ class LlamaForCausalLM(DecoderBase):
             for norm_name, linear in (("input_layernorm", layer.self_attn.qkv_proj), ("post_attention_layernorm", layer.mlp.gate_up_proj)):
                 if isinstance(linear, Int8Linear) and linear.absorb_norm(getattr(layer, norm_name)):
                     setattr(layer, norm_name, nn.Identity())
+        self.use_chain_attention_kernel(kernel)
+
+    def use_chain_attention_kernel(self, kernel) -> None:
+        """Chain attention over fewer than WIDE_ROWS new tokens one query at a time (the
+        compiled kernel; float32 K/V, as the int8 and float32 models keep them)."""
+        for layer in self.model.layers:
             layer.self_attn.prefix_attention = kernel.attend_prefix
 
     def forward(

@@ -124,4 +124,11 @@ def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
         from forerun.models.quant import to_int8_
 
         to_int8_(model)
+    elif dtype == "float32" and torch.device(device).type == "cpu":
+        from forerun.models import int8_kernel
+        from forerun.models.f32_linear import use_f32_kernels_
+
+        kernel = int8_kernel.load()
+        if kernel is not None:  # else torch's sgemm: same function, not batch-invariant
+            use_f32_kernels_(model, kernel)
     return model.eval().requires_grad_(False)

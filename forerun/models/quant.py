@@ -223,8 +223,10 @@ def to_int8_(model: nn.Module) -> nn.Module:
 
 def quantize_int8_(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear in place (the LM head included: it is the largest GEMM)."""
+    from forerun.models.f32_linear import F32RowsLinear
+
     for name, child in model.named_children():
-        if isinstance(child, nn.Linear):
+        if isinstance(child, (nn.Linear, F32RowsLinear)):  # (a float32 model's kernel linears too)
             setattr(model, name, Int8Linear(child))
         else:
             quantize_int8_(child)
