@@ -26,6 +26,8 @@ def _common(p: argparse.ArgumentParser):
                    help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead; none = plain")
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                   help="draft model's precision (default: the verifier's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -80,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-skip", type=int, default=None, help="largest skip set tried (default: half the layers)")
     t.add_argument("--confirm", type=int, default=3, help="best estimates confirmed by a timed run")
     t.add_argument("--max-new-tokens", type=int, default=64)
+    o = sub.add_parser("cost", help="verifier forward time vs tokens scored at once, per precision; table + PNG plot",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    o.add_argument("--model", default=None, help="model folder, .gguf, or embedded name (default: smollm2-135m)")
+    o.add_argument("--dtype", default="float32,int8", help="comma-separated precisions to measure")
+    o.add_argument("--tokens", default="1,2,4,6,8,12,16,32", help="comma-separated numbers of tokens scored per forward")
+    o.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+    o.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    o.add_argument("--plot", default="forerun-cost.png", help="PNG to write ('' for none)")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("methods", help="list the speculative methods")
     return parser
 
@@ -92,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print("\n".join(available_methods()))
             return 0
-        return {"generate": cmd_generate, "compare": cmd_compare, "tune-skip": cmd_tune_skip}[args.command](args)
+        commands = {"generate": cmd_generate, "compare": cmd_compare, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
+        return commands[args.command](args)
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)
         return 2
@@ -109,7 +121,7 @@ def _configs(args):
     )
     method = None if args.method in ("none", "plain") else args.method
     spec = SpeculativeConfig(
-        method=method, num_speculative_tokens=args.k, draft_model=args.draft_model,
+        method=method, num_speculative_tokens=args.k, draft_model=args.draft_model, draft_dtype=args.draft_dtype,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_branches=args.ngram_branches,
         tree_width=args.tree_width, skip_layers=_int_list(args.skip_layers), exit_layer=args.exit_layer,
         lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
@@ -218,6 +230,34 @@ def cmd_tune_skip(args) -> int:
     print(f"saved {path}")
     if win.measured_speedup < 1.0:
         print("note: no skip set beat plain decoding in the timed run on this machine", file=sys.stderr)
+    return 0
+
+
+def cmd_cost(args) -> int:
+    from forerun.bench.cost import CostCurve, measure, plot
+    from forerun.llm import LLM
+
+    tokens = sorted(set(_int_list(args.tokens) or ()) | {1})
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if min(tokens) < 1 or args.context < 1 or args.repeats < 1 or not dtypes:
+        raise ForerunError("--tokens, --context and --repeats must be >= 1, and --dtype must name a precision")
+    curves = []
+    for dtype in dtypes:
+        llm = LLM(model=args.model, dtype=dtype, speculative=None)
+        print(f"forerun: timing {llm.name} at {dtype} ({len(tokens)} sizes x {args.repeats} rounds)...", file=sys.stderr, flush=True)
+        curves.append(CostCurve(llm.name, dtype, args.context, measure(llm.model, tokens, args.context, args.repeats)))
+        del llm
+    if args.plot:
+        plot(curves, args.plot)
+    if args.json:
+        print(json.dumps([{"model": c.model, "dtype": c.dtype, "context": c.context, "ms": c.ms,
+                           "ratio": {t: round(c.ratio(t), 3) for t in c.ms}} for c in curves], indent=2))
+    else:
+        print("tokens  " + "  ".join(f"{c.dtype:>16}" for c in curves))
+        for t in tokens:
+            print(f"{t:6d}  " + "  ".join(f"{c.ms[t]:8.1f} ms {c.ratio(t):4.2f}x" for c in curves))
+    if args.plot:
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -75,6 +75,12 @@ SHAPES = {
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen2.5-coder-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                               num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=False,
+                               attention_bias=True, rope_theta=1e6, model_type="qwen2"),
+    "qwen2.5-coder-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                               num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                               attention_bias=True, rope_theta=1e6, model_type="qwen2"),
 }
 
 
@@ -90,7 +96,7 @@ def cost_model(context: int = 512) -> dict:
             with torch.inference_mode():
                 m(chain_batch([[1] * context], [0], [0], m.device), cache, logits_at=None)
                 row = {}
-                for T in (1, 2, 4, 6, 8, 12, 16):
+                for T in (1, 2, 4, 6, 8, 12, 16, 32):
                     b = chain_batch([[1] * T], [context], [0], m.device)
                     for _ in range(3):
                         m(b, cache)
