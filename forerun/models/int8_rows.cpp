@@ -28,8 +28,10 @@
 // 64 bytes = 4 consecutive k of 16 consecutive outputs, which is exactly one VNNI
 // instruction's worth. A token's 4 activation bytes are broadcast to all 16 lanes, so the
 // int32 accumulators hold 16 outputs each and need no horizontal sums; one weight load
-// serves up to 6 tokens (24 accumulators + 6 broadcasts: the 32 registers). M is padded to a multiple of 64 and K to one of 4 (zero weights).
-constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 4, K_GROUP = 4, MAX_TOKENS = 6;
+// serves up to 8 tokens (3 blocks x 8 tokens = 24 accumulators + 3 weight vectors + 1
+// broadcast: within the 32 registers), so verifying k + 1 <= 8 tokens streams each weight
+// once. M is padded to a multiple of 48 and K to one of 4 (zero weights).
+constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 3, K_GROUP = 4, MAX_TOKENS = 8;
 
 // acc[b * TB + t] += <activations of token t, weights of output block b> over all of K.
 template <int TB>
@@ -39,15 +41,13 @@ static inline void chunk_dots(const uint8_t* q, int64_t Kp, const int8_t* w, int
   for (int b = 0; b < CHUNK_BLOCKS; ++b)
     for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_setzero_si512();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i a[TB];
+    __m512i wv[CHUNK_BLOCKS];
+    for (int b = 0; b < CHUNK_BLOCKS; ++b) wv[b] = _mm512_loadu_si512(w + (b * G + g) * 64);
     for (int t = 0; t < TB; ++t) {
       int32_t four;
       std::memcpy(&four, q + t * Kp + g * K_GROUP, 4);
-      a[t] = _mm512_set1_epi32(four);
-    }
-    for (int b = 0; b < CHUNK_BLOCKS; ++b) {
-      const __m512i wv = _mm512_loadu_si512(w + (b * G + g) * 64);
-      for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], a[t], wv);
+      const __m512i a = _mm512_set1_epi32(four);
+      for (int b = 0; b < CHUNK_BLOCKS; ++b) acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], a, wv[b]);
     }
   }
   for (int b = 0; b < CHUNK_BLOCKS; ++b)
@@ -166,7 +166,9 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
           case 3: chunk_dots<3>(qt, Kp, wc, G, acc); break;
           case 4: chunk_dots<4>(qt, Kp, wc, G, acc); break;
           case 5: chunk_dots<5>(qt, Kp, wc, G, acc); break;
-          default: chunk_dots<6>(qt, Kp, wc, G, acc); break;
+          case 6: chunk_dots<6>(qt, Kp, wc, G, acc); break;
+          case 7: chunk_dots<7>(qt, Kp, wc, G, acc); break;
+          default: chunk_dots<8>(qt, Kp, wc, G, acc); break;
         }
         for (int b = 0; b < CHUNK_BLOCKS; ++b) {
           const int64_t j0 = (c * CHUNK_BLOCKS + b) * OUT_BLOCK;

@@ -165,10 +165,10 @@ def _row_scale(x: torch.Tensor) -> torch.Tensor:
 
 def pack_weight(w8: torch.Tensor) -> torch.Tensor:
     """[M, K] int8 -> [Mp/16, Kp/4, 16, 4], the layout int8_rows.cpp reads: 64 bytes hold
-    4 consecutive inputs of 16 consecutive outputs (Mp: M up to a multiple of 64, Kp: K up
-    to a multiple of 4, padded with zero weights)."""
+    4 consecutive inputs of 16 consecutive outputs (Mp: M up to a multiple of 48, the
+    kernel's 3-block chunks; Kp: K up to a multiple of 4; padded with zero weights)."""
     M, K = w8.shape
-    Mp, Kp = -(-M // 64) * 64, -(-K // 4) * 4
+    Mp, Kp = -(-M // 48) * 48, -(-K // 4) * 4
     padded = torch.zeros(Mp, Kp, dtype=torch.int8)
     padded[:M, :K] = w8
     return padded.view(Mp // 16, 16, Kp // 4, 4).permute(0, 2, 1, 3).contiguous()
