@@ -36,6 +36,8 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-branches", type=int, default=1, help="ngram: verify up to N matches as a token tree")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft_model: score only the first N token ids (+ special tokens) in the drafter's head")
     p.add_argument("--tree-width", type=int, default=1, help="draft_model: candidates at the first position (a tree)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers")
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_Version, help="versions, CPU features and the int8 paths in use, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream one completion, then plain vs speculative stats")
-    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    g.add_argument("prompt", nargs="?", default=None, help="the user message (default: a built-in bug-fix request, printed first)")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is (no chat template)")
     g.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run used for the speedup line")
     _common(g)
@@ -126,6 +128,7 @@ def _configs(args):
         tree_width=args.tree_width, skip_layers=_int_list(args.skip_layers), exit_layer=args.exit_layer,
         lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
         lookahead_pool=args.lookahead_pool,
+        options={"draft_vocab": args.draft_vocab} if args.draft_vocab else {},
     )
     return params, spec
 
@@ -148,6 +151,9 @@ def _llm(args, spec):
 def cmd_generate(args) -> int:
     params, spec = _configs(args)
     llm = _llm(args, spec)
+    if args.prompt is None:
+        args.prompt = DEFAULT_PROMPT
+        print(f"prompt (built-in):\n{DEFAULT_PROMPT}\n---", file=sys.stderr, flush=True)
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     out = llm.generate(prompt, params, stream=lambda i, text: print(text, end="", flush=True))[0]
     print()

@@ -88,6 +88,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "skip_layers", tuple(sorted(set(int(i) for i in self.skip_layers))))
         if self.ngram_branches < 1 or self.tree_width < 1:
             raise ConfigError("ngram_branches and tree_width must be >= 1")
+        draft_vocab = self.options.get("draft_vocab")
+        if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 2):
+            raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores), got {draft_vocab!r}")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPES:
             raise ConfigError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
 

@@ -20,10 +20,11 @@ from forerun.sampling import draw
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None):
+    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None):
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size  # the verifier's logit width
         self.tree_width = tree_width  # >1: extra candidates for the first drafted position
+        self.head = head  # a ReducedHead (draft_vocab), or None: the model's own LM head
         self.cache = None
         self.synced: dict[int, int] = {}  # row -> committed tokens whose KV is in the draft cache
         self.tail: dict[int, list[int]] = {}  # row -> drafted tokens written right after them
@@ -55,7 +56,7 @@ class DraftModelDrafter:
         starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], [self._catch_up(r) for r in live])
         for step in range(max((r.k for r in live), default=0)):
             batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # one token per row
-            logits = fit_vocab(self.model(batch, self.cache).logits[:, 0], self.vocab_size)  # [B, V]
+            logits = self._logits(batch)  # [B, V]
             toks, q = draw(logits, params, generator)
             if step == 0 and self.tree_width > 1:
                 siblings = self._siblings(logits, q, [r.row for r in live], params, generator)
@@ -71,6 +72,12 @@ class DraftModelDrafter:
                 self.synced[r.row], self.tail[r.row] = len(r.tokens), out[r.row][0][:-1]
         drafts = [Draft.of(*out[r.row]) if r.k > 0 else Draft([]) for r in requests]
         return [self._with_siblings(d, siblings.get(r.row)) for d, r in zip(drafts, requests)]
+
+    def _logits(self, batch) -> torch.Tensor:
+        """[B, V] at the batch's one token per row, over the verifier's vocabulary."""
+        if self.head is None:
+            return fit_vocab(self.model(batch, self.cache).logits[:, 0], self.vocab_size)
+        return self.head(self.model(batch, self.cache, logits_at=None).hidden[:, 0])
 
     def _siblings(self, logits, q, rows, params: SamplingParams, generator):
         """Extra first-position candidates. Greedy: the next-best distinct tokens (a
@@ -91,6 +98,19 @@ class DraftModelDrafter:
         parents = d.parent_list() + [-1] * len(toks)
         probs = None if d.probs is None else torch.cat([d.probs, q0.expand(len(toks), -1)])
         return Draft(d.tokens + toks, probs, parents)
+
+
+def _reduced_head(spec, draft, vocab: int):
+    """The draft_vocab option: the drafter's head over the first N ids + special ids."""
+    keep = spec.options.get("draft_vocab")
+    if not keep:
+        return None
+    from forerun.drafters.draft_vocab import ReducedHead, kept_ids
+
+    tok = draft.tokenizer
+    special = set(tok.special_ids) | set(tok.eos_token_ids) if tok is not None else set()
+    ids = kept_ids(min(vocab, draft.model.config.vocab_size), int(keep), special)
+    return ReducedHead(draft.model.lm_head, ids, vocab, draft.dtype)
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -125,7 +145,8 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
     if draft.model.device != verifier.model.device:
         raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")
     if _same_vocab(draft, verifier):
-        return DraftModelDrafter(draft.model, spec.tree_width, verifier.model.config.vocab_size)
+        vocab = verifier.model.config.vocab_size
+        return DraftModelDrafter(draft.model, spec.tree_width, vocab, _reduced_head(spec, draft, vocab))
     if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
             "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "

@@ -1,0 +1,66 @@
+"""A reduced output vocabulary for a draft model's LM head (after FR-Spec): the drafter scores
+only a subset of tokens, cutting its largest matrix (Qwen2.5-0.5B: 136M of its 494M weights
+are the 151,936-row head), while the verifier still scores the full vocabulary, so
+verification stays exact: q is the drafter's distribution over the subset, zero elsewhere,
+and rejection sampling corrects for that like for any other q.
+
+Which tokens: a byte-level BPE numbers its tokens in merge order, and merges are learned
+most-frequent first, so the first N ids are a frequency ranking the tokenizer already holds;
+every id past the base vocabulary (special tokens: <|im_end|>, <|endoftext|>...) is kept too,
+because a chat turn must be able to end in a draft.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def kept_ids(vocab_size: int, keep: int, special_ids: set[int]) -> torch.Tensor:
+    """[n] sorted ids: 0 .. keep-1 and every special id below vocab_size.
+    >>> kept_ids(10, 4, {8, 3}).tolist()
+    [0, 1, 2, 3, 8]
+    """
+    ids = set(range(min(keep, vocab_size))) | {i for i in special_ids if 0 <= i < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The head's float weights [len(ids), hidden] for the kept rows, whatever its kind
+    (nn.Linear, forerun's float32 kernel linear, or its int8 linear: scale x int8 rows)."""
+    if hasattr(head, "weight_int8"):
+        return head.weight_int8[ids].float() * head.weight_scale[ids, None]
+    return head.weight.detach()[ids]
+
+
+class ReducedHead(nn.Module):
+    """hidden [B, C] -> logits [B, V] with -inf outside the kept ids (the verifier's width)."""
+
+    def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int, dtype: str):
+        super().__init__()
+        sub = nn.Linear(ids.numel(), 1, bias=False)  # shape replaced below
+        sub.weight = nn.Parameter(float_rows(head, ids), requires_grad=False)
+        sub.in_features, sub.out_features = sub.weight.shape[1], sub.weight.shape[0]
+        self.head = _like(sub, dtype)
+        self.register_buffer("ids", ids, persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        sub = self.head(hidden).float()
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, sub)
+
+
+def _like(linear: nn.Linear, dtype: str) -> nn.Module:
+    """The sub-head on the path the draft model's own linears take for its dtype."""
+    if dtype == "int8":
+        from forerun.models.quant import Int8Linear
+
+        return Int8Linear(linear)
+    from forerun.models import int8_kernel
+
+    kernel = int8_kernel.load() if dtype == "float32" else None
+    if kernel is not None:
+        from forerun.models.f32_linear import F32RowsLinear
+
+        return F32RowsLinear(linear, kernel)
+    return linear
