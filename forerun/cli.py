@@ -19,31 +19,36 @@ FIXED_TEXT = (
 )
 
 
+MODELS = "model folder, .gguf file, hub id, or embedded name: smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b"
+DTYPES = ["float32", "bfloat16", "int8"]
+PROMPT_SETS = ("spec_bench[:mt_bench|translation|summarization|qa|math_reasoning|rag], humaneval, svamp, vicuna, "
+               "or a .jsonl path; read from --data-dir, else $FORERUN_DATA_DIR, else ../shared/data/prompts")
+
+
 def _common(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=None, help="model folder, .gguf file, hub id, or an embedded name: smollm2-135m (default), gemma3-270m")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
+    p.add_argument("--model", default=None, help=MODELS)
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="verifier precision")
     p.add_argument("--method", default="ngram",
                    help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead; none = plain")
-    p.add_argument("--k", type=int, default=5, help="speculative tokens per step")
-    p.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
-    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "int8"],
-                   help="draft model's precision (default: the verifier's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--k", type=int, default=5, help="speculative tokens per step (0 = plain decoding)")
+    p.add_argument("--draft-model", default=None, help="draft model for --method draft_model (same forms as --model)")
+    p.add_argument("--draft-dtype", default=None, choices=DTYPES, help="draft model's precision (default: the verifier's)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--ngram-max", type=int, default=4, help="ngram: longest n-gram matched in the context")
+    p.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest n-gram matched")
     p.add_argument("--ngram-branches", type=int, default=1, help="ngram: verify up to N matches as a token tree")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft_model: score only the first N token ids (+ special tokens) in the drafter's head")
     p.add_argument("--tree-width", type=int, default=1, help="draft_model: candidates at the first position (a tree)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
-    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers")
-    p.add_argument("--lookahead-window", type=int, default=5)
-    p.add_argument("--lookahead-ngram", type=int, default=3)
-    p.add_argument("--lookahead-pool", type=int, default=4)
+    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
+    p.add_argument("--lookahead-window", type=int, default=5, help="lookahead: Jacobi window (guesses per step)")
+    p.add_argument("--lookahead-ngram", type=int, default=3, help="lookahead: n-gram size gathered from the iterations")
+    p.add_argument("--lookahead-pool", type=int, default=4, help="lookahead: pool candidates verified per step")
 
 
 class _Version(argparse.Action):
@@ -60,45 +65,50 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="forerun", description="Lossless speculative decoding.")
-    parser.add_argument("--version", action=_Version, help="versions, CPU features and the int8 paths in use, then exit")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="stream one completion, then plain vs speculative stats")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="forerun", description="Lossless speculative decoding.", formatter_class=fmt)
+    parser.add_argument("--version", action=_Version, help="versions, CPU features and the kernel paths in use, then exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    g = sub.add_parser("generate", formatter_class=fmt, help="stream one completion, then plain vs speculative stats")
     g.add_argument("prompt", nargs="?", default=None, help="the user message (default: a built-in bug-fix request, printed first)")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is (no chat template)")
-    g.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run used for the speedup line")
+    g.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding runs used for the speedup line")
+    g.add_argument("--repeats", type=int, default=2, help="timed plain/speculative pairs behind the speedup line (alternating)")
     _common(g)
-    c = sub.add_parser("compare", help="plain vs speculative on a prompt set, alternating runs")
-    c.add_argument("--prompts", default="spec_bench:mt_bench", help="spec_bench[:subtask], humaneval, svamp, vicuna, or a .jsonl path")
+    c = sub.add_parser("compare", formatter_class=fmt, help="plain vs speculative on a prompt set, alternating runs")
+    c.add_argument("--prompts", default="spec_bench:mt_bench", help=PROMPT_SETS)
     c.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
-    c.add_argument("--limit", type=int, default=10)
+    c.add_argument("--limit", type=int, default=10, help="first N prompts of the set")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     _common(c)
-    t = sub.add_parser("tune-skip", help="search which layers the layer_skip drafter skips; saves a profile")
-    t.add_argument("--model", default=None)
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
-    t.add_argument("--prompts", default="vicuna", help="calibration prompts (default: vicuna, minus Spec-Bench overlaps)")
-    t.add_argument("--data-dir", default=None)
-    t.add_argument("--limit", type=int, default=4)
-    t.add_argument("--k", type=int, default=3)
+    t = sub.add_parser("tune-skip", formatter_class=fmt, help="search which layers the layer_skip drafter skips; saves a profile")
+    t.add_argument("--model", default=None, help=MODELS)
+    t.add_argument("--dtype", default="float32", choices=DTYPES, help="verifier precision")
+    t.add_argument("--prompts", default="vicuna", help="calibration prompts (Spec-Bench overlaps are left out)")
+    t.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
+    t.add_argument("--limit", type=int, default=4, help="calibration prompts used")
+    t.add_argument("--k", type=int, default=3, help="draft length the skip set is tuned for")
     t.add_argument("--max-skip", type=int, default=None, help="largest skip set tried (default: half the layers)")
     t.add_argument("--confirm", type=int, default=3, help="best estimates confirmed by a timed run")
-    t.add_argument("--max-new-tokens", type=int, default=64)
-    o = sub.add_parser("cost", help="verifier forward time vs tokens scored at once, per precision; table + PNG plot",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    o.add_argument("--model", default=None, help="model folder, .gguf, or embedded name (default: smollm2-135m)")
+    t.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per calibration prompt")
+    o = sub.add_parser("cost", formatter_class=fmt, help="verifier forward time vs tokens scored at once, per precision; table + PNG plot")
+    o.add_argument("--model", default=None, help=MODELS)
     o.add_argument("--dtype", default="float32,int8", help="comma-separated precisions to measure")
     o.add_argument("--tokens", default="1,2,4,6,8,12,16,32", help="comma-separated numbers of tokens scored per forward")
     o.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     o.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
     o.add_argument("--plot", default="forerun-cost.png", help="PNG to write ('' for none)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
-    sub.add_parser("methods", help="list the speculative methods")
+    sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `forerun`: say what there is
+        parser.print_help()
+        return 0
     try:
         if args.command == "methods":
             from forerun.drafters import available_methods
@@ -122,6 +132,8 @@ def _configs(args):
         max_tokens=args.max_new_tokens, seed=args.seed,
     )
     method = None if args.method in ("none", "plain") else args.method
+    if method is not None and args.k == 0:
+        print(f"forerun: --k 0 turns speculation off: plain decoding (method {method} unused)", file=sys.stderr)
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=args.k, draft_model=args.draft_model, draft_dtype=args.draft_dtype,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_branches=args.ngram_branches,
@@ -150,6 +162,8 @@ def _llm(args, spec):
 
 def cmd_generate(args) -> int:
     params, spec = _configs(args)
+    if args.repeats < 1:
+        raise ForerunError("--repeats must be >= 1")
     llm = _llm(args, spec)
     if args.prompt is None:
         args.prompt = DEFAULT_PROMPT
@@ -157,23 +171,49 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     out = llm.generate(prompt, params, stream=lambda i, text: print(text, end="", flush=True))[0]
     print()
+    if out.finish_detail == "context":
+        print(f"forerun: stopped after {len(out.token_ids)} tokens at the model's {llm.max_context}-token context "
+              f"(asked for {params.max_tokens})", file=sys.stderr)
     s = out.stats
     label = f"{spec.method}, k={spec.num_speculative_tokens}" if spec.enabled else "plain"
     line = f"[{label}] {s.generated} tokens, {s.tokens_per_s:.1f} tok/s"
     if spec.enabled:
         line += f", acceptance {s.acceptance_rate:.1%}, mean accepted length {s.mean_accepted_length:.2f}"
     if spec.enabled and not args.no_baseline:
-        base = llm.generate(prompt, params, speculative=None)[0]
-        speedup = base.stats.tokens_per_s and s.tokens_per_s / base.stats.tokens_per_s
-        same = "identical" if base.token_ids == out.token_ids else "differs"
-        line = (
-            f"plain {base.stats.tokens_per_s:.1f} tok/s | speculative ({label}) {s.tokens_per_s:.1f} tok/s | "
-            f"speedup {speedup:.2f}x | acceptance {s.acceptance_rate:.1%} | "
-            f"mean accepted length {s.mean_accepted_length:.2f}"
-            + (f" | output {same}" if params.greedy else "")
-        )
+        line = _speedup_line(llm, prompt, params, out, label, args.repeats)
     print(line, file=sys.stderr)
     return 0
+
+
+def _speedup_line(llm, prompt, params, out, label: str, repeats: int) -> str:
+    """Plain vs speculative over `repeats` alternating pairs (the streamed run is the first
+    speculative one): tok/s summed over the pairs, the per-pair range and a verdict."""
+    from forerun.bench.spread import busy_note, verdict
+
+    spec_runs, plain_runs = [out], []
+    for i in range(repeats):
+        order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+        for side in order:
+            if side == "spec" and i == 0:
+                continue  # the streamed run
+            runs = plain_runs if side == "plain" else spec_runs
+            runs.append(llm.generate(prompt, params, speculative=None if side == "plain" else llm.speculative)[0])
+    wall = lambda o: o.stats.prefill_time + o.stats.decode_time  # noqa: E731
+    ratios = sorted(wall(p) / wall(q) for p, q in zip(plain_runs, spec_runs))
+    tok_s = lambda runs: sum(o.stats.generated for o in runs) / sum(wall(o) for o in runs)  # noqa: E731
+    speedup = sum(wall(o) for o in plain_runs) / sum(wall(o) for o in spec_runs)
+    s = out.stats
+    line = (f"plain {tok_s(plain_runs):.1f} tok/s | speculative ({label}) {tok_s(spec_runs):.1f} tok/s | "
+            f"speedup {speedup:.2f}x")
+    if repeats > 1:
+        line += f" (pairs {ratios[0]:.2f}-{ratios[-1]:.2f}x: {verdict(ratios[0], ratios[-1])})"
+    line += f" | acceptance {s.acceptance_rate:.1%} | mean accepted length {s.mean_accepted_length:.2f}"
+    if params.greedy:
+        line += " | output " + ("identical" if all(o.token_ids == out.token_ids for o in plain_runs) else "differs")
+    import torch
+
+    busy = busy_note(torch.get_num_threads())
+    return line + (f"\nforerun: warning: {busy}" if busy else "")
 
 
 def cmd_compare(args) -> int:
@@ -188,7 +228,12 @@ def cmd_compare(args) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)
     llm = _llm(args, spec)
     runs = [run_pair(llm, p, params, spec, spec_first=bool(i % 2)) for i, p in enumerate(tqdm(prompts, desc="prompts", file=sys.stderr))]
-    report = {"prompts": args.prompts, **summarize(llm, runs, params, spec)}
+    import torch
+
+    from forerun.bench.spread import busy_note
+
+    warnings = [w for w in [busy_note(torch.get_num_threads())] if w]
+    report = {"prompts": args.prompts, **summarize(llm, runs, params, spec), "warnings": warnings}
     if args.dtype != "float32":
         report["top1_agreement_vs_float32"] = _agreement_vs_float32(args, llm)
     if args.json:
@@ -218,11 +263,14 @@ def cmd_tune_skip(args) -> int:
     prompts = [p for p in load_prompts(args.prompts, data_dir=args.data_dir) if p.id not in SPEC_BENCH_OVERLAP][: args.limit]
     ids = [prompt_ids(llm, p) for p in prompts]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
-    calib = [p + o.token_ids for p, o in zip(ids, llm.generate(ids, greedy, speculative=None))]
+    calib = []
+    for p in tqdm(ids, desc="calibration text (greedy)", file=sys.stderr):
+        calib.append(p + llm.generate([p], greedy, speculative=None)[0].token_ids)
     n = llm.model.config.num_hidden_layers
     max_skip = args.max_skip or n // 2
     with tqdm(total=n + max_skip, desc="scoring skip sets", file=sys.stderr) as bar:
         cands = search(llm, calib, args.k, max_skip, progress=bar.update)
+    print(f"forerun: timing the best {min(args.confirm, len(cands))} skip sets against plain decoding...", file=sys.stderr, flush=True)
     best = confirm(llm, ids[:2], cands[: args.confirm], args.k, max_tokens=48)
     for c in best:
         print(f"skip {len(c.skip):2d} layers: agreement {c.agreement:.1%}, est {c.est_tokens_per_s:.1f} tok/s, "
@@ -280,11 +328,15 @@ def _print_report(r: dict):
     print(f"{r['prompts']}: {r['n_prompts']} prompts, {r['method']} k={r['k']}, dtype {r['dtype']}, temperature {r['temperature']}")
     print(f"  plain        {a['tokens_per_s']:7.2f} tok/s  (decode {a['decode_tokens_per_s']:.2f})")
     print(f"  speculative  {s['tokens_per_s']:7.2f} tok/s  (decode {s['decode_tokens_per_s']:.2f})")
-    print(f"  speedup {r['speedup']:.2f}x   acceptance {s['acceptance_rate']:.1%}   mean accepted length {s['mean_accepted_length']:.2f}")
+    low, high = r["speedup_ci95"]
+    print(f"  speedup {r['speedup']:.2f}x  (95% interval over prompts {low:.2f}-{high:.2f}x: {r['verdict']})")
+    print(f"  acceptance {s['acceptance_rate']:.1%}   mean accepted length {s['mean_accepted_length']:.2f}")
     if r["identical"] is not None:
         print(f"  identical to plain: {r['identical']}  (match share {r['match_share']:.0%})")
     for d in r["divergences"]:
         print(f"    {d['id']}: first differs at token {d['position']}, top-2 logit gap {d['top2_logit_gap']:.4f}")
+    for w in r.get("warnings", []):
+        print(f"  warning: {w}")
     if "top1_agreement_vs_float32" in r:
         print(f"  top-1 agreement with float32 on a fixed text: {r['top1_agreement_vs_float32']:.1%}")
 

@@ -88,6 +88,11 @@ class SpeculativeConfig:
             object.__setattr__(self, "skip_layers", tuple(sorted(set(int(i) for i in self.skip_layers))))
         if self.ngram_branches < 1 or self.tree_width < 1:
             raise ConfigError("ngram_branches and tree_width must be >= 1")
+        if self.method is not None:
+            from forerun.drafters.base import available_methods  # (imports the drafters: only when one is named)
+
+            if self.method not in available_methods():
+                raise ConfigError(f"unknown speculative method {self.method!r}; available: {available_methods()}")
         draft_vocab = self.options.get("draft_vocab")
         if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 2):
             raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores), got {draft_vocab!r}")

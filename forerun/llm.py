@@ -1,6 +1,8 @@
 """The Python API, shaped like vLLM's: LLM(...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +25,9 @@ class CompletionOutput:
     text: str  # decoded generated text, cut before a matched stop string
     finish_reason: str  # "stop" or "length"
     stats: SpecStats
+    # Why a "length" finish stopped: "max_tokens" (as asked) or "context" (the model's context
+    # filled up before max_tokens); None for "stop".
+    finish_detail: str | None = None
 
 
 class LLM:
@@ -97,12 +102,17 @@ class LLM:
     # -- helpers -----------------------------------------------------------------------
     def encode(self, prompts) -> list[list[int]]:
         """Validated token ids for a string, a list of strings or token-id lists (as generate takes)."""
+        accepted = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ConfigError(f"prompts must be {accepted}; got {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ConfigError("no prompts given")
         out = []
         for p in prompts:
+            if not isinstance(p, (str, list, tuple)) or (not isinstance(p, str) and not all(map(_is_token_id, p))):
+                raise ConfigError(f"prompts must be {accepted}; got an element of type {type(p).__name__}")
             if isinstance(p, str):
                 self._need_tokenizer()
                 p = self.tokenizer.encode(p, add_special_tokens=not _starts_with_special(p, self.tokenizer))
@@ -144,11 +154,22 @@ class LLM:
     def _output(self, s, params: SamplingParams) -> CompletionOutput:
         text = self._decode(s.generated)
         cut = stop_index(text, params.stop)
-        return CompletionOutput(s.tokens[: s.prompt_len], s.generated, text if cut is None else text[:cut], s.finish_reason, s.stats)
+        detail = None
+        if s.finish_reason == "length":
+            detail = "context" if len(s.generated) < params.max_tokens else "max_tokens"
+        return CompletionOutput(s.tokens[: s.prompt_len], s.generated, text if cut is None else text[:cut], s.finish_reason,
+                                s.stats, detail)
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
             raise ConfigError("this LLM has no tokenizer: pass token-id prompts")
+
+
+def _is_token_id(t) -> bool:
+    """Python and NumPy integers, or a one-element integer tensor."""
+    if isinstance(t, numbers.Integral):
+        return True
+    return isinstance(t, torch.Tensor) and t.numel() == 1 and not t.is_floating_point()
 
 
 def _starts_with_special(text: str, tokenizer) -> bool:

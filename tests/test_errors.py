@@ -139,3 +139,64 @@ def test_version_names_the_int8_paths(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("forerun ") and "torch" in out and "int8 64+ tokens:" in out
+
+
+def test_prompts_of_the_wrong_type_name_what_is_accepted():
+    from forerun.errors import ConfigError
+    from forerun.llm import LLM
+    from tests.tiny import tiny_model
+
+    llm = LLM(tiny_model(seed=0))
+    for bad in (123, [1.5, 2.0], [[1, 2], 3.0], {"a": 1}):
+        with pytest.raises(ConfigError, match="prompts must be a string, a list of strings"):
+            llm.generate(bad)
+
+
+def test_an_unknown_method_is_refused_at_construction():
+    from forerun.config import SpeculativeConfig
+    from forerun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown speculative method 'nosuch'.*ngram"):
+        SpeculativeConfig(method="nosuch")
+
+
+def test_a_context_cut_says_so():
+    from forerun.config import SamplingParams
+    from forerun.llm import LLM
+    from tests.tiny import tiny_model
+
+    llm = LLM(tiny_model(seed=0, max_position_embeddings=20))
+    out = llm.generate([[1, 2, 3] * 5], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.finish_detail == "context" and len(out.token_ids) == 5
+    full = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and full.finish_detail == "max_tokens"
+
+
+def test_help_shows_defaults_and_bare_forerun_prints_it(capsys):
+    from forerun.cli import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "generate" in out and "compare" in out and "cost" in out
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    help_text = capsys.readouterr().out
+    for shown in ("(default: 5)", "(default: 128)", "(default: 10)", "FORERUN_DATA_DIR"):
+        assert shown in help_text, shown
+
+
+def test_k_zero_says_speculation_is_off(capsys):
+    from forerun.cli import _configs, build_parser
+
+    args = build_parser().parse_args(["generate", "--k", "0", "--method", "ngram"])
+    _, spec = _configs(args)
+    assert not spec.enabled and "--k 0 turns speculation off" in capsys.readouterr().err
+
+
+def test_speedup_spread_helpers():
+    from forerun.bench.spread import ratio_interval, verdict
+
+    low, high = ratio_interval([1.0, 3.0, 2.0, 2.2], [1.0, 1.0, 1.0, 1.1])
+    assert 1.0 <= low <= high <= 3.0
+    assert verdict(low, high) == "faster" or low <= 1.0
+    assert verdict(0.9, 1.1) == "within noise"

@@ -2,13 +2,15 @@
 
 Runs alternate (plain first on even prompts, speculative first on odd ones) so that
 machine noise lands on both. Speedup is summed plain wall time / summed speculative
-wall time, prefill included, as a user would see it.
+wall time, prefill included, as a user would see it, with a 95% bootstrap interval over
+prompts and a verdict (faster / slower / within noise).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
+from forerun.bench.spread import ratio_interval, verdict
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.metrics import SpecStats, merge
 from forerun.prompts import Prompt
@@ -62,6 +64,7 @@ def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: Speculat
     t_plain = sum(r.plain_stats.prefill_time + r.plain_stats.decode_time for r in runs)
     t_spec = sum(r.spec_stats.prefill_time + r.spec_stats.decode_time for r in runs)
     matches = [r.identical for r in runs]
+    low, high = ratio_interval([_wall(r.plain_stats) for r in runs], [_wall(r.spec_stats) for r in runs])
     return {
         "method": spec.method,
         "k": spec.num_speculative_tokens,
@@ -82,11 +85,17 @@ def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: Speculat
             "draft_cost_vs_verifier_forward": _draft_cost(plain, fast),
         },
         "speedup": t_plain / t_spec if t_spec > 0 else None,
+        "speedup_ci95": [low, high],  # bootstrap over prompts
+        "verdict": verdict(low, high),
         "identical": all(matches) if params.greedy else None,
         "match_share": sum(matches) / len(runs) if params.greedy and runs else None,
         "divergences": _divergences(llm, runs) if params.greedy else [],
         "per_prompt": [_row(r) for r in runs],
     }
+
+
+def _wall(s: SpecStats) -> float:
+    return s.prefill_time + s.decode_time
 
 
 def _draft_cost(plain: SpecStats, fast: SpecStats) -> float | None:
