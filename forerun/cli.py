@@ -25,12 +25,23 @@ PROMPT_SETS = ("spec_bench[:mt_bench|translation|summarization|qa|math_reasoning
                "or a .jsonl path; read from --data-dir, else $FORERUN_DATA_DIR, else ../shared/data/prompts")
 
 
+def _k_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def _common(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help=MODELS)
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="verifier precision")
     p.add_argument("--method", default="ngram",
                    help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead; none = plain")
-    p.add_argument("--k", type=int, default=5, help="speculative tokens per step (0 = plain decoding)")
+    p.add_argument("--k", type=_k_arg, default=5,
+                   help="speculative tokens per step (0 = plain decoding), or 'auto': chosen per step from measured acceptance and cost")
+    p.add_argument("--k-max", type=int, default=8, help="the longest draft under --k auto")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model (same forms as --model)")
     p.add_argument("--draft-dtype", default=None, choices=DTYPES, help="draft model's precision (default: the verifier's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
@@ -132,7 +143,7 @@ def _configs(args):
         max_tokens=args.max_new_tokens, seed=args.seed,
     )
     method = None if args.method in ("none", "plain") else args.method
-    if method is not None and args.k == 0:
+    if method is not None and args.k == 0:  # ("auto" is not 0)
         print(f"forerun: --k 0 turns speculation off: plain decoding (method {method} unused)", file=sys.stderr)
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=args.k, draft_model=args.draft_model, draft_dtype=args.draft_dtype,
@@ -140,7 +151,8 @@ def _configs(args):
         tree_width=args.tree_width, skip_layers=_int_list(args.skip_layers), exit_layer=args.exit_layer,
         lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
         lookahead_pool=args.lookahead_pool,
-        options={"draft_vocab": args.draft_vocab} if args.draft_vocab else {},
+        options={**({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
+                 **({"k_max": args.k_max} if args.k == "auto" else {})},
     )
     return params, spec
 

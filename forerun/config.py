@@ -53,7 +53,8 @@ class SpeculativeConfig:
     """Which drafter proposes tokens and how many per step.
 
     method: a name in the drafter registry ("ngram", "draft_model"), or None for plain decoding.
-    num_speculative_tokens: k, the longest draft per verifier forward (0 = plain decoding).
+    num_speculative_tokens: k, the longest draft per verifier forward (0 = plain decoding), or
+        "auto": each row picks k in [0, options["k_max"]] every step (forerun/adaptive.py).
     draft_model: path / hub id / "default" for method="draft_model", or an already built LLM-like
         object exposing `.model` and `.tokenizer`.
     ngram_max / ngram_min: the n-gram drafter's match window (longest first).
@@ -61,7 +62,7 @@ class SpeculativeConfig:
     """
 
     method: str | None = "ngram"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | str = 5
     draft_model: object | None = None
     draft_dtype: str | None = None  # default: the verifier's dtype
     ngram_max: int = 4
@@ -77,11 +78,13 @@ class SpeculativeConfig:
     options: dict = field(default_factory=dict)  # drafter-specific extras, by name
 
     def __post_init__(self):
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or k < 0:
-            raise ConfigError(f"num_speculative_tokens (k) must be an integer >= 0, got {k!r}")
+        k = self.num_speculative_tokens if self.num_speculative_tokens != "auto" else self.k_max
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"num_speculative_tokens (k) must be an integer >= 0 or 'auto', got {self.num_speculative_tokens!r}")
         if k > 64:
             raise ConfigError(f"num_speculative_tokens (k) = {k} is absurd; use at most 64")
+        if self.adaptive and k < 1:
+            raise ConfigError("options['k_max'] for num_speculative_tokens='auto' must be >= 1")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.skip_layers is not None:
@@ -100,8 +103,18 @@ class SpeculativeConfig:
             raise ConfigError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
 
     @property
+    def adaptive(self) -> bool:
+        """num_speculative_tokens="auto": k chosen per row and step (forerun/adaptive.py)."""
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def k_max(self) -> int:
+        """The longest draft: k itself, or options["k_max"] (default 8) under "auto"."""
+        return self.options.get("k_max", 8) if self.adaptive else self.num_speculative_tokens
+
+    @property
     def enabled(self) -> bool:
-        return self.method is not None and self.num_speculative_tokens > 0
+        return self.method is not None and self.k_max > 0
 
 
 def check_dtype(dtype: str) -> str:

@@ -53,6 +53,7 @@ class GenerateJob:
     eos_ids: frozenset[int] = frozenset()
     should_stop: Callable[[int, list[int]], bool] | None = None  # (seq index, generated ids) -> stop?
     on_tokens: Callable[[int, list[int], bool], None] | None = None  # streaming: (seq index, generated ids, finished)
+    k_policy: object | None = None  # an adaptive.AdaptiveK: k per row and step (k is then the maximum)
 
 
 @torch.inference_mode()
@@ -103,6 +104,7 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     result = _verify(logits, drafts, job.params, generator)
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
     _observe(job, active, drafts, logits, [list(range(n)) for n in num_accepted], next_tokens)
+    _learn(job, active, drafts, num_accepted, t1 - t0)
     t2 = time.perf_counter()
     for s, d, n, nxt in zip(active, drafts, num_accepted, next_tokens):
         s.stats.record_step(len(d.tokens), n)
@@ -127,6 +129,7 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         for i, d in enumerate(drafts)
     ]
     _observe(job, active, drafts, logits, [r.path for r in results], [r.next_token for r in results])
+    _learn(job, active, drafts, [len(r.path) for r in results], t1 - t0)
     t2 = time.perf_counter()
     for s, d, start, r in zip(active, drafts, starts, results):
         src = [start + 1 + n for n in r.path]
@@ -155,8 +158,21 @@ def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]
     if job.drafter is None or job.k == 0:
         return [Draft([], None) for _ in active]
     # Never draft past the sequence's budget: a step emits up to k + 1 tokens.
-    requests = [DraftRequest(s.row, s.tokens, max(0, min(job.k, s.remaining - 1))) for s in active]
+    k = [job.k_policy.k_for(s.row) if job.k_policy is not None else job.k for s in active]
+    requests = [DraftRequest(s.row, s.tokens, max(0, min(kb, s.remaining - 1))) for s, kb in zip(active, k)]
     return job.drafter.propose(requests, job.params, generator)
+
+
+def _learn(job: GenerateJob, active: list[Sequence], drafts: list[Draft], accepted: list[int], draft_s: float):
+    """Feed the adaptive-k policy what this step showed: acceptance per row, drafter time."""
+    policy = job.k_policy
+    if policy is None:
+        return
+    for s, d, n in zip(active, drafts, accepted):
+        policy.update(s.row, d.depth() if d.is_tree else len(d.tokens), n)
+    drafted = sum(len(d.tokens) for d in drafts)
+    if drafted:
+        policy.observe_draft_time(draft_s / drafted)
 
 
 def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, generator):

@@ -61,6 +61,7 @@ class LLM:
             self.model = load_model(folder, dtype, device)
         self.speculative = speculative
         self._drafter_cache: tuple[SpeculativeConfig, Drafter] | None = None
+        self._cost_curves: dict[int, tuple[list[float], float]] = {}  # k_max -> (verify cost [k_max + 1], 1-token s)
 
     @property
     def max_context(self) -> int:
@@ -82,7 +83,9 @@ class LLM:
         ids = self.encode(prompts)
         job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self._eos_ids())
         if spec is not None and spec.enabled:
-            job.drafter, job.k = self._drafter(spec), spec.num_speculative_tokens
+            job.drafter, job.k = self._drafter(spec), spec.k_max
+            if spec.adaptive:
+                job.k_policy = self._k_policy(spec.k_max, spec.options.get("verify_cost"))
         if params.stop:
             tail = 4 * max(len(x) for x in params.stop) + 8  # tokens enough to spell any stop string
             job.should_stop = lambda i, gen: stop_index(self._decode(gen[-tail:]), params.stop) is not None
@@ -141,6 +144,24 @@ class LLM:
         if self.tokenizer is not None:
             ids |= set(self.tokenizer.eos_token_ids)
         return frozenset(ids)
+
+    def _k_policy(self, k_max: int, given: list[float] | None = None):
+        """A fresh adaptive-k controller over this model's measured cost curve (measured once
+        per LLM and k_max: a few forwards of 1 .. k_max + 1 tokens), or over `given`
+        (options["verify_cost"]: cost of scoring 1 .. k_max + 1 tokens relative to one)."""
+        from forerun.adaptive import AdaptiveK
+
+        if given is not None:
+            if len(given) < k_max + 1:
+                raise ConfigError(f"options['verify_cost'] needs k_max + 1 = {k_max + 1} values, got {len(given)}")
+            return AdaptiveK(k_max, [float(c) for c in given[: k_max + 1]], forward_s=0.0)
+        if k_max not in self._cost_curves:
+            from forerun.bench.cost import measure
+
+            ms = measure(self.model, list(range(1, k_max + 2)), context=64, repeats=2)
+            self._cost_curves[k_max] = ([ms[t] / ms[1] for t in range(1, k_max + 2)], ms[1] / 1e3)
+        verify_cost, forward_s = self._cost_curves[k_max]
+        return AdaptiveK(k_max, verify_cost, forward_s=forward_s)
 
     def _drafter(self, spec: SpeculativeConfig) -> Drafter:
         """Built once per config object; only the latest is kept (a draft model is big)."""

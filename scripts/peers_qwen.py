@@ -59,6 +59,10 @@ def main() -> int:
         "forerun int8": lambda ids: _fr(int8, None, ids, args.max_new_tokens),
         "forerun int8 + draft 0.5B int8": lambda ids: _fr(int8, draft, ids, args.max_new_tokens),
     }
+    warm = prompt_ids(f32, load_prompts(args.prompts, limit=1)[0])
+    for name in engines:  # builds the drafters and warms every path before anything is timed
+        print(f"warming up {name}...", file=sys.stderr, flush=True)
+        engines[name](warm[:64])
     totals = {name: [0, 0.0] for name in engines}
     outputs: dict[str, list] = {name: [] for name in engines}
     for i, p in enumerate(load_prompts(args.prompts, limit=args.limit)):
