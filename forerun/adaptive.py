@@ -82,9 +82,15 @@ class AdaptiveK:
             est.idle = 0
 
     def observe_draft_time(self, seconds_per_token: float, weight: float = 0.2) -> None:
-        """Blend in a measured drafter time per drafted token (the first one sets it)."""
-        if self.forward_s <= 0:
+        """Blend in a measured drafter time per drafted token. The first call of a generate
+        is skipped: a drafter that keeps its own cache feeds it the whole prompt then, which
+        is not a cost of drafting. Later samples are clipped to twice the estimate, for the
+        same reason (a probe after many k = 0 steps first catches up on those tokens)."""
+        self._draft_samples += 1
+        if self.forward_s <= 0 or self._draft_samples == 1:
             return
         cost = seconds_per_token / self.forward_s
-        self.draft_cost = cost if self._draft_samples == 0 else (1 - weight) * self.draft_cost + weight * cost
-        self._draft_samples += 1
+        if self._draft_samples == 2:
+            self.draft_cost = cost
+        else:
+            self.draft_cost = (1 - weight) * self.draft_cost + weight * min(cost, 2 * self.draft_cost)

@@ -28,9 +28,13 @@ def test_the_estimate_learns_and_k_zero_is_probed_again():
         policy.update(1, 4, 0)
     ks = [policy.k_for(1) for _ in range(6)]
     assert ks.count(0) == 4 and ks.count(1) == 2  # off, with a 1-token probe every 3rd step
+    policy.observe_draft_time(30.0)  # the first call: the drafter's prompt catch-up, ignored
+    assert policy.draft_cost == 0.0
     policy.observe_draft_time(0.5)
     policy.observe_draft_time(1.0)
     assert 0.5 < policy.draft_cost < 1.0
+    policy.observe_draft_time(50.0)  # a catch-up after many k = 0 steps: clipped
+    assert policy.draft_cost < 1.0
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4] * 20]
