@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
 
 def cpu_features() -> list[str]:
     """The CPU flags that change a numeric path (AMX, AVX512-VNNI/BF16, AVX-VNNI, AVX2)."""
+    from forerun.models.int8_kernel import cpu_flags
+
     wanted = ("amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx512_bf16", "avx_vnni", "avx512f", "avx2")
-    try:
-        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    have = set(line.split(":", 1)[1].split())
+    have = cpu_flags()
     return [f for f in wanted if f in have]
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from forerun.models.int8_kernel import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 BIT_LEVEL_TESTS = ["tests/test_quant.py", "tests/test_int8_identity.py", "tests/test_int8_probe.py"]
 LEVELS = [  # (ONEDNN_MAX_CPU_ISA, FORERUN_KERNEL_MARCH, ATEN_CPU_CAPABILITY, CPU flags the level needs)
@@ -21,18 +23,10 @@ LEVELS = [  # (ONEDNN_MAX_CPU_ISA, FORERUN_KERNEL_MARCH, ATEN_CPU_CAPABILITY, CP
 ]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split(":", 1)[1].split())
-
-
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
 @pytest.mark.parametrize("isa,march,aten,needs", LEVELS, ids=[level[0] for level in LEVELS])
 def test_int8_bits_hold_at_this_isa_level(isa, march, aten, needs):
-    missing = needs - _cpu_flags()
+    missing = needs - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa, FORERUN_KERNEL_MARCH=march)

@@ -37,9 +37,9 @@ class ReducedHead(nn.Module):
 
     def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int, dtype: str):
         super().__init__()
-        sub = nn.Linear(ids.numel(), 1, bias=False)  # shape replaced below
-        sub.weight = nn.Parameter(float_rows(head, ids), requires_grad=False)
-        sub.in_features, sub.out_features = sub.weight.shape[1], sub.weight.shape[0]
+        rows = float_rows(head, ids)  # [n, hidden]
+        sub = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        sub.weight = nn.Parameter(rows, requires_grad=False)
         self.head = _like(sub, dtype)
         self.register_buffer("ids", ids, persistent=False)
         self.vocab_size = vocab_size

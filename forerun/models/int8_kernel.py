@@ -26,13 +26,24 @@ SOURCE = Path(__file__).with_name("int8_rows.cpp")
 SOURCES = [SOURCE, Path(__file__).with_name("f32_rows.cpp")]
 
 
+def cpu_flags_line() -> str | None:
+    """The `flags` line of /proc/cpuinfo (every feature this CPU reports), or None."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags ("avx512_vnni", "amx_int8", ...); empty where unreadable."""
+    line = cpu_flags_line()
+    return set(line.split(":", 1)[1].split()) if line else set()
+
+
 def _cpu_tag() -> str:
     """`-march=native` code must not be reused on another CPU (a home directory shared
     between machines): the build's name carries a hash of this CPU's feature flags."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor() or platform.machine()
+    flags = cpu_flags_line() or platform.processor() or platform.machine()
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 

@@ -50,7 +50,7 @@ def wide_path() -> str:
 def onednn_matches_fbgemm(n_in: int, n_out: int, rows: int, gemm=None) -> bool:
     """One random layer and `rows` tokens of very different ranges (and exact quantisation
     ties): does `gemm` (default oneDNN's) give fbgemm's bits for every output?"""
-    from forerun.models.quant import _quiet, fbgemm_prepack, fbgemm_rows, onednn_rows
+    from forerun.models.quant import _quiet, fbgemm_anchor, fbgemm_prepack, fbgemm_rows, onednn_rows
 
     g = torch.Generator().manual_seed(n_in * 7919 + n_out)
     w = torch.randn(n_out, n_in, generator=g)
@@ -59,10 +59,8 @@ def onednn_matches_fbgemm(n_in: int, n_out: int, rows: int, gemm=None) -> bool:
         w8 = torch.quantize_per_channel(w, scale.double(), torch.zeros(n_out, dtype=torch.long), 0, torch.qint8).int_repr()
     x = torch.randn(rows, n_in, generator=g) * torch.rand(rows, 1, generator=g) * 8
     x[0] = torch.linspace(-1, 1, n_in)  # many values on a rounding tie
-    anchor = torch.zeros(1, n_in)
-    anchor[0, 0], anchor[0, -1] = 1.0, -1.0
     with torch.inference_mode():
-        ref = fbgemm_rows(x, fbgemm_prepack(w8, scale), anchor)
+        ref = fbgemm_rows(x, fbgemm_prepack(w8, scale), fbgemm_anchor(n_in))
         if gemm is None:
             prepacked = torch.ops.onednn.qlinear_prepack(w8, None)
             got = onednn_rows(x, prepacked, scale, torch.zeros(n_out, dtype=torch.int32))

@@ -78,10 +78,11 @@ class Attention(nn.Module):
         )  # (B, nh, T, hd)
 
     def _chain_attention(self, q, batch: ForwardBatch, cache: KVCache, bias):
-        """The int8 model's chain attention, computed so that a row's bits never depend on
-        its batch-mates: a row with fewer than WIDE_ROWS new tokens goes through the
-        per-query kernel; a longer one (a prompt) through SDPA's flash kernel on that row
-        alone, with exactly the shapes it would have if it were the only row."""
+        """Chain attention of the int8 and float32 CPU models (the compiled kernels), computed
+        so that a row's bits never depend on its batch-mates: a row with fewer than WIDE_ROWS
+        new tokens goes through the per-query kernel; a longer one (a prompt) through SDPA's
+        flash kernel on that row alone, with exactly the shapes it would have if it were the
+        only row."""
         scale = self.hd**-0.5
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]
         long = [b for b, n in enumerate(batch.lengths) if n >= WIDE_ROWS]
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)
         for b in long:
             out[b : b + 1, :, : batch.lengths[b]] = self._row_sdpa(q[b : b + 1], k_all, v_all, batch, b)
-        short = [b for b in range(len(batch.lengths)) if b not in long]
+        short = [b for b, n in enumerate(batch.lengths) if n < WIDE_ROWS]
         if short:
             idx = torch.tensor(short, device=q.device)
             out[idx] = self.prefix_attention(q[idx], k_all, v_all, batch.row_index[idx], batch.slots[idx] + 1, scale)

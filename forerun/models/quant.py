@@ -49,9 +49,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_zero", torch.zeros_like(w8[:, 0], dtype=torch.int32), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        anchor = torch.zeros(1, self.in_features)
-        anchor[0, 0], anchor[0, -1] = 1.0, -1.0
-        self.register_buffer("anchor", anchor, persistent=False)  # pins fbgemm's tensor range to [-1, 1]
+        self.register_buffer("anchor", fbgemm_anchor(self.in_features), persistent=False)
         self.pre_norm = None  # an RMSNorm run first (see absorb_norm)
         self._use_kernel = use_kernel
         self._build_kernels()
@@ -134,6 +132,14 @@ def fbgemm_prepack(w8: torch.Tensor, w_scale: torch.Tensor):
     zeros = torch.zeros(w8.shape[0], dtype=torch.long)
     qw = torch._make_per_channel_quantized_tensor(w8, w_scale.double(), zeros, 0)
     return torch.ops.quantized.linear_prepack(qw, None)
+
+
+def fbgemm_anchor(n_in: int) -> torch.Tensor:
+    """[1, in] = [1, 0, ..., 0, -1]: appended to fbgemm's input, it pins the tensor's
+    quantisation range to [-1, 1], the range every per-token-scaled row spans."""
+    anchor = torch.zeros(1, n_in)
+    anchor[0, 0], anchor[0, -1] = 1.0, -1.0
+    return anchor
 
 
 def fbgemm_rows(x: torch.Tensor, packed, anchor: torch.Tensor) -> torch.Tensor:
