@@ -210,10 +210,9 @@ def _speedup_line(llm, prompt, params, out, label: str, repeats: int) -> str:
                 continue  # the streamed run
             runs = plain_runs if side == "plain" else spec_runs
             runs.append(llm.generate(prompt, params, speculative=None if side == "plain" else llm.speculative)[0])
-    wall = lambda o: o.stats.prefill_time + o.stats.decode_time  # noqa: E731
-    ratios = sorted(wall(p) / wall(q) for p, q in zip(plain_runs, spec_runs))
-    tok_s = lambda runs: sum(o.stats.generated for o in runs) / sum(wall(o) for o in runs)  # noqa: E731
-    speedup = sum(wall(o) for o in plain_runs) / sum(wall(o) for o in spec_runs)
+    ratios = sorted(p.stats.wall_time / q.stats.wall_time for p, q in zip(plain_runs, spec_runs))
+    tok_s = lambda runs: sum(o.stats.generated for o in runs) / sum(o.stats.wall_time for o in runs)  # noqa: E731
+    speedup = sum(o.stats.wall_time for o in plain_runs) / sum(o.stats.wall_time for o in spec_runs)
     s = out.stats
     line = (f"plain {tok_s(plain_runs):.1f} tok/s | speculative ({label}) {tok_s(spec_runs):.1f} tok/s | "
             f"speedup {speedup:.2f}x")

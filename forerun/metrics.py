@@ -29,8 +29,13 @@ class SpecStats:
         return self.generated / self.verifier_forwards if self.verifier_forwards else 0.0
 
     @property
+    def wall_time(self) -> float:
+        """Seconds a user waited: prefill + decode."""
+        return self.prefill_time + self.decode_time
+
+    @property
     def tokens_per_s(self) -> float:
-        t = self.prefill_time + self.decode_time
+        t = self.wall_time
         return self.generated / t if t > 0 else 0.0
 
     @property

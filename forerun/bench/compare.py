@@ -61,10 +61,10 @@ def top2_gap(llm, ids: list[int], generated: list[int], pos: int) -> float:
 
 def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: SpeculativeConfig) -> dict:
     plain, fast = merge([r.plain_stats for r in runs]), merge([r.spec_stats for r in runs])
-    t_plain = sum(r.plain_stats.prefill_time + r.plain_stats.decode_time for r in runs)
-    t_spec = sum(r.spec_stats.prefill_time + r.spec_stats.decode_time for r in runs)
+    plain_s, spec_s = [r.plain_stats.wall_time for r in runs], [r.spec_stats.wall_time for r in runs]
+    t_plain, t_spec = sum(plain_s), sum(spec_s)
     matches = [r.identical for r in runs]
-    low, high = ratio_interval([_wall(r.plain_stats) for r in runs], [_wall(r.spec_stats) for r in runs])
+    low, high = ratio_interval(plain_s, spec_s)
     return {
         "method": spec.method,
         "k": spec.num_speculative_tokens,
@@ -92,10 +92,6 @@ def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: Speculat
         "divergences": _divergences(llm, runs) if params.greedy else [],
         "per_prompt": [_row(r) for r in runs],
     }
-
-
-def _wall(s: SpecStats) -> float:
-    return s.prefill_time + s.decode_time
 
 
 def _draft_cost(plain: SpecStats, fast: SpecStats) -> float | None:
