@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", default="forerun-cost.png", help="PNG to write ('' for none)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods")
+    v = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible HTTP server: continuous batching + speculation")
+    _common(v)
+    from forerun.serve.flags import add_arguments
+
+    add_arguments(v)
     return parser
 
 
@@ -127,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(available_methods()))
             return 0
         commands = {"generate": cmd_generate, "compare": cmd_compare, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
+        if args.command == "serve":
+            from forerun.serve.main import cmd_serve
+
+            return cmd_serve(args)
         return commands[args.command](args)
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)

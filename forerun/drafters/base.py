@@ -89,6 +89,8 @@ class Drafter(Protocol):
 
     # Optional: `max_draft_nodes(k) -> int`, the most tokens one Draft can hold (trees).
     # The engine sizes the KV cache with it; without it a draft holds at most k tokens.
+    # Optional: `release(row)`: a new sequence takes `row` mid-run (continuous batching in
+    # forerun/serve); a drafter with per-row state forgets that row's. Stateless ones omit it.
     # Optional: `observe(feedback: list[StepFeedback])`, called after each verification
     # (before the accepted tokens are committed), e.g. to update a Jacobi window.
 

@@ -48,6 +48,10 @@ class CrossTokenizerDrafter:
         self.cache = self.model.new_cache(num_rows, self.capacity)
         self.fed = {}
 
+    def release(self, row: int) -> None:
+        """A new sequence takes this row (the server's continuous batching)."""
+        self.fed.pop(row, None)
+
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], params: SamplingParams, generator) -> list[Draft]:
         ctx = {r.row: self.dtok.encode(self.vtok.decode(r.tokens)) for r in requests if r.k > 0}

@@ -36,6 +36,11 @@ class DraftModelDrafter:
         self.cache = self.model.new_cache(num_rows, capacity)
         self.synced, self.tail = {}, {}
 
+    def release(self, row: int) -> None:
+        """A new sequence takes this row (the server's continuous batching)."""
+        self.synced.pop(row, None)
+        self.tail.pop(row, None)
+
     def _catch_up(self, r: DraftRequest) -> tuple[int, list[int]]:
         """(first slot to write, tokens to feed) so the cache covers r.tokens[:-1] and the
         last logits predict the token after r.tokens."""

@@ -48,6 +48,10 @@ class LookaheadDrafter:
     def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
         self.rows = {}
 
+    def release(self, row: int) -> None:
+        """A new sequence takes this row (the server's continuous batching)."""
+        self.rows.pop(row, None)
+
     def propose(self, requests: list[DraftRequest], params, generator) -> list[Draft]:
         return [self._propose_row(r) for r in requests]
 

@@ -1,0 +1,70 @@
+"""A validated body -> a ServeRequest within the server's limits, or an ApiError (4xx)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forerun.config import SamplingParams
+from forerun.errors import ForerunError
+from forerun.serve.request import ServeRequest
+from forerun.serve.schemas import Sampling
+
+
+class ApiError(Exception):
+    """An error the client caused: becomes {"error": {...}} with `status`."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    model_names: tuple[str, ...]  # what `model` may say (None / absent = the served model)
+    max_len: int  # prompt + generated tokens
+    default_max_tokens: int
+    method: str | None  # the server's drafter, None = speculation off server-wide
+    k_max: int
+
+
+def check_model(body: Sampling, limits: Limits) -> None:
+    if body.model is not None and body.model not in limits.model_names:
+        raise ApiError(404, f"model {body.model!r} is not served here; available: {list(limits.model_names)}",
+                       code="model_not_found", param="model")
+
+
+def request_k(body: Sampling, limits: Limits) -> int:
+    """The request's draft length: the server's k unless it asks for less, or for none."""
+    spec = body.speculative
+    if spec is None:
+        return limits.k_max if limits.method else 0
+    if spec.method not in (None, "none", limits.method):
+        raise ApiError(400, f"speculative.method must be 'none' or this server's method {limits.method!r}, got {spec.method!r}",
+                       param="speculative.method")
+    if spec.method == "none" or limits.method is None:
+        return 0
+    return limits.k_max if spec.k is None else min(spec.k, limits.k_max)
+
+
+def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: Limits, sink) -> ServeRequest:
+    check_model(body, limits)
+    try:
+        ids = llm.encode(prompt)[0]
+    except ForerunError as e:
+        raise ApiError(400, str(e), param="prompt") from e
+    room = limits.max_len - len(ids)
+    if room < 1:
+        raise ApiError(400, f"prompt is {len(ids)} tokens; this server's context is {limits.max_len} tokens",
+                       code="context_length_exceeded", param="prompt")
+    wanted = max_tokens if max_tokens is not None else min(limits.default_max_tokens, room)
+    if wanted > room:
+        raise ApiError(400, f"max_tokens {wanted} + prompt {len(ids)} tokens exceeds this server's context of {limits.max_len}",
+                       code="context_length_exceeded", param="max_tokens")
+    try:
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=wanted,
+                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+    except ForerunError as e:
+        raise ApiError(400, str(e)) from e
+    return ServeRequest(ids, params, wanted, request_k(body, limits), sink)

@@ -1,0 +1,159 @@
+"""The FastAPI app: OpenAI routes over a Scheduler, errors as OpenAI JSON with 4xx codes."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from forerun.serve.admission import ApiError, Limits, build_request, check_model
+from forerun.serve.metrics import ServeMetrics
+from forerun.serve.request import Event, ServeRequest
+from forerun.serve.responses import DONE, Shape, sse
+from forerun.serve.scheduler import QueueFull, Scheduler
+from forerun.serve.schemas import ChatRequest, CompletionRequest
+
+ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (404, "unknown model"), (429, "queue full")]}
+
+
+def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="forerun", version="0.1.0", lifespan=lifespan)
+    app.state.llm, app.state.scheduler, app.state.limits, app.state.metrics = llm, scheduler, limits, metrics
+    _add_error_handlers(app, metrics)
+
+    @app.post("/v1/completions", responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        try:
+            prompt = body.single_prompt()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from e
+        return await _generate(request, body, prompt, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions", responses=ERRORS)
+    async def chat(body: ChatRequest, request: Request):
+        check_model(body, limits)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = llm.apply_chat_template(messages)
+        except Exception as e:  # a template that refuses a role order, a model without a template
+            raise ApiError(400, f"chat template: {e}", param="messages") from e
+        return await _generate(request, body, prompt, body.limit(), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "forerun"}
+                                           for n in limits.model_names]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": len(scheduler.running), "waiting": scheduler.queue_depth,
+                "kv_blocks_used": scheduler.blocks.used, "kv_blocks_total": scheduler.blocks.num_blocks}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(scheduler), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _generate(request: Request, body, prompt, max_tokens: int | None, chat: bool):
+    st = request.app.state
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue))
+    try:
+        st.scheduler.submit(req)
+    except QueueFull as e:
+        raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full") from e
+    shape = Shape(chat, st.limits.model_names[0], len(req.prompt))
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_stream(st.scheduler, req, queue, shape, usage), media_type="text/event-stream")
+    return await _collect(request, st.scheduler, req, queue, shape)
+
+
+def _sink(loop, queue: asyncio.Queue):
+    def put(ev: Event):
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+    return put
+
+
+async def _stream(scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue, shape: Shape, usage: bool):
+    """SSE chunks as text becomes final; a client that goes away cancels the request here
+    (Starlette cancels this generator), which frees its row and blocks before the next step."""
+    done, first = False, True
+    try:
+        while not done:
+            ev = await queue.get()
+            if ev.error:
+                yield sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}})
+                break
+            if ev.text or (first and shape.chat):
+                yield shape.chunk(ev.text, first=first)
+                first = False
+            if ev.finish_reason:
+                done = True
+                yield shape.chunk("", ev.finish_reason)
+                if usage:
+                    yield shape.usage_chunk(ev)
+        yield DONE
+        done = True
+    finally:
+        if not done:
+            req.cancel()
+            scheduler.wake()
+
+
+async def _collect(request: Request, scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue, shape: Shape):
+    """The whole completion; polls for a client disconnect while waiting (then cancels)."""
+    parts, done = [], False
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if ev.error:
+                done = True
+                return JSONResponse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}}, 500)
+            parts.append(ev.text)
+            if ev.finish_reason:
+                done = True
+                return JSONResponse(shape.full("".join(parts), ev))
+    finally:
+        if not done:
+            req.cancel()
+            scheduler.wake()
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
+    def error(status: int, message: str, kind: str = "invalid_request_error", code=None, param=None):
+        metrics.rejected.labels(str(status)).inc()
+        return JSONResponse(ApiError(status, message, kind, code, param).body(), status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_req, e: ApiError):
+        return error(e.status, e.message, e.kind, e.code, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_req, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')} ({len(e.errors())} problem(s))", param=where)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_req, e: HTTPException):
+        return error(e.status_code, str(e.detail), code=str(e.status_code))
+

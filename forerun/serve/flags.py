@@ -1,0 +1,14 @@
+"""The serve-only CLI flags (no imports: `forerun --help` stays light)."""
+
+
+def add_arguments(p) -> None:
+    """The serve-only flags (the model and speculation flags come from cli._common)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-name", default=None, help="model id clients pass (default: the model folder's name)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (cache rows)")
+    p.add_argument("--max-len", type=int, default=2048, help="prompt + generated tokens per request (capped at the model's context)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before the server answers 429")
+    p.add_argument("--no-batch-aware", action="store_true", help="keep each request's k whatever the batch size")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")

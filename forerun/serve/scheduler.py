@@ -1,0 +1,184 @@
+"""Continuous batching: one engine thread admits requests between steps, prefills them
+into free cache rows, steps every running row together, and lets rows leave as they end.
+
+    submit() ─► waiting (bounded) ──admit: free row + blocks──► prefill ─► running
+    running ──step (engine.step per sampling group)──► tokens to each request's sink
+    finished / failed / cancelled ─► row, blocks and drafter state released at once
+
+Each running request is an `engine.Sequence` in its own cache row; rows keep the engine's
+invariant cache.lengths[row] == len(tokens) - 1, so a row that joins mid-flight is exactly
+a row of a fresh generate() call. The drafter is started once for all rows and told when
+a row changes hands (`release(row)`, for drafters with per-row state).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from forerun import engine
+from forerun.config import SpeculativeConfig
+from forerun.errors import ForerunError
+from forerun.sampling import make_generator
+from forerun.serve.batch_k import CostModel
+from forerun.serve.blocks import BlockAllocator, BlockTable
+from forerun.serve.request import Event, ServeRequest
+from forerun.serve.step import Live, step_all
+from forerun.streaming import TextStream
+
+
+class QueueFull(ForerunError):
+    """The waiting queue is at its bound: the server answers 429."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    max_batch: int = 8  # cache rows: sequences decoded together
+    max_len: int = 2048  # prompt + generated tokens per sequence
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None: enough for every row at max_len
+    max_queue: int = 64  # waiting requests beyond which submit() raises QueueFull
+    batch_aware: bool = True  # lower k (to 0) as the batch grows, from the cost model
+
+
+class Scheduler:
+    def __init__(self, llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeConfig(), metrics=None):
+        self.llm, self.model, self.cfg, self.metrics = llm, llm.model, cfg, metrics
+        self.spec = spec if spec is not None and spec.enabled else None
+        self.k_max = self.spec.k_max if self.spec else 0
+        self.drafter = llm._drafter(self.spec) if self.spec else None
+        nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(self.k_max) if self.drafter else 0
+        self.capacity = cfg.max_len + nodes + 1
+        self.cache = self.model.new_cache(cfg.max_batch, self.capacity)
+        per_row = -(-self.capacity // cfg.block_size)
+        self.blocks = BlockAllocator(cfg.num_blocks or cfg.max_batch * per_row, cfg.block_size)
+        if self.drafter is not None:
+            self.drafter.start(cfg.max_batch, self.capacity, self.cache)
+        self.cost = CostModel.measure(self.model, cfg.max_batch * (self.k_max + 1)) if self.spec and cfg.batch_aware else None
+        self.eos_ids = llm._eos_ids()
+        self.free_rows = list(range(cfg.max_batch - 1, -1, -1))
+        self.waiting: collections.deque[ServeRequest] = collections.deque()
+        self.running: dict[int, Live] = {}  # row -> live sequence
+        self.alpha = 0.5  # running per-token acceptance (batch-aware k)
+        self.generator = make_generator(None, self.model.device)  # unseeded sampling
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="forerun-engine", daemon=True)
+
+    # -- the HTTP side ---------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, req: ServeRequest) -> None:
+        with self._cv:
+            if len(self.waiting) >= self.cfg.max_queue:
+                raise QueueFull(f"queue full ({self.cfg.max_queue} waiting); retry later")
+            self.waiting.append(req)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    # -- the engine thread -----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self.waiting and not self.running:
+                    self._cv.wait()
+                if self._stop:
+                    break
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self.running:
+                    self._step()
+            except Exception as exc:  # an engine bug must not kill the server: fail the batch
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+        self._fail_all("server shutting down")
+
+    @torch.inference_mode()
+    def _admit(self) -> None:
+        new: list[Live] = []
+        while self.free_rows and self.waiting:
+            with self._cv:
+                req = self.waiting[0]
+                table = BlockTable(self.blocks)
+                if not table.ensure(len(req.prompt) + 1):
+                    break  # FIFO: wait for blocks to come back
+                self.waiting.popleft()
+            new.append(self._make_live(req, self.free_rows.pop(), table))
+        if not new:
+            return
+        t0 = time.perf_counter()
+        engine.prefill(self.model, self.cache, [lv.seq for lv in new])
+        for lv in new:
+            lv.seq.stats.prefill_time = time.perf_counter() - t0
+            self.running[lv.seq.row] = lv
+        if self.metrics:
+            self.metrics.on_prefill(sum(len(lv.seq.tokens) for lv in new), time.perf_counter() - t0)
+
+    def _make_live(self, req: ServeRequest, row: int, table: BlockTable) -> Live:
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(row)
+        seq = engine.Sequence(row, list(req.prompt), len(req.prompt), req.max_new)
+        emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated)))  # noqa: E731
+        stream = TextStream(self.llm._decode, req.params.stop, emit)
+        return Live(req, seq, table, stream, time.perf_counter())
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        lives = list(self.running.values())
+        drafted, accepted = step_all(self, lives)
+        dt = time.perf_counter() - t0
+        if drafted:
+            self.alpha = 0.9 * self.alpha + 0.1 * (accepted / drafted)
+        for lv in lives:
+            lv.seq.stats.decode_time = time.perf_counter() - lv.t_admit - lv.seq.stats.prefill_time
+            if lv.seq.finish_reason is not None:
+                self._finish(lv, Event(finish_reason=lv.seq.finish_reason))
+        if self.metrics:
+            self.metrics.on_step(len(lives), dt, drafted, accepted)
+
+    def _finish(self, lv: Live, last: Event) -> None:
+        """Release the row and its blocks, then tell the consumer (exactly once)."""
+        self.running.pop(lv.seq.row, None)
+        lv.table.release()
+        self.free_rows.append(lv.seq.row)
+        last.completion_tokens, last.stats = len(lv.seq.generated), lv.seq.stats
+        if self.metrics:
+            self.metrics.on_finish(lv, last)
+        lv.req.sink(last)
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            gone = [r for r in self.waiting if r.cancelled.is_set()]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            r.sink(Event(finish_reason="cancelled"))
+        for lv in [lv for lv in self.running.values() if lv.req.cancelled.is_set()]:
+            self._finish(lv, Event(finish_reason="cancelled"))
+
+    def _fail_all(self, message: str) -> None:
+        for lv in list(self.running.values()):
+            self._finish(lv, Event(error=message))
+        with self._cv:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for r in waiting:
+            r.sink(Event(error=message))

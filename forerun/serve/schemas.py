@@ -1,0 +1,95 @@
+"""OpenAI request bodies, validated strictly: an unknown field or an absurd value is a 400
+with an OpenAI-style error body, never a 500. Fields OpenAI defines but forerun does not
+implement are accepted only at their neutral value (n = 1, penalties 0, no logprobs)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_STOPS = 4
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculativeOptions(Strict):
+    """forerun's extra body field: `"speculative": {"method": "ngram" | "none", "k": 3}`.
+    method must be the server's drafter (or "none"); k is capped at the server's k."""
+
+    method: str | None = None  # None: the server's method
+    k: int | None = Field(default=None, ge=0, le=64)  # None: the server's k
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    """What completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=1_000_000)
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    ignore_eos: bool = False
+    user: str | None = None
+    presence_penalty: Literal[0, 0.0] = 0.0
+    frequency_penalty: Literal[0, 0.0] = 0.0
+    speculative: SpeculativeOptions | None = None
+
+    @model_validator(mode="after")
+    def _stops(self):
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS or any(not s or len(s) > 256 for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings of at most 256 characters")
+        return self
+
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    echo: Literal[False] = False
+    logprobs: None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return p
+        if len(p) != 1:
+            raise ValueError("one prompt per request (n = 1)")
+        return p[0]
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: Literal[False] | None = None
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,116 @@
+"""One scheduler step: every running row advances by one verifier forward.
+
+Rows are grouped by how they verify (greedy; the same sampling rule; a seeded request
+alone, with its own generator) and each group is one `engine.step`: one batched forward in
+which every row drafts and accepts its own number of tokens. Greedy requests, whatever
+their max_tokens or stop strings, always share one forward. k per row is
+min(the request's k, the batch-aware k for the current batch size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from forerun import engine
+from forerun.sampling import make_generator
+from forerun.serve.batch_k import batch_k
+from forerun.serve.blocks import BlockTable
+from forerun.serve.request import Event, ServeRequest
+from forerun.streaming import TextStream, stop_index
+
+
+@dataclass
+class Live:
+    req: ServeRequest
+    seq: engine.Sequence  # seq.row is the cache row
+    table: BlockTable
+    stream: TextStream
+    t_admit: float  # perf_counter at admission
+    generator: torch.Generator | None = None  # seeded sampling only
+
+
+@dataclass
+class RowK:
+    """A k_policy for engine.step: this step's k per row, fixed by the scheduler."""
+
+    ks: dict[int, int] = field(default_factory=dict)  # row -> k
+
+    def k_for(self, row: int) -> int:
+        return self.ks[row]
+
+    def update(self, row: int, drafted: int, accepted: int) -> None:
+        pass
+
+    def observe_draft_time(self, seconds_per_token: float) -> None:
+        pass
+
+
+def group_key(lv: Live) -> tuple:
+    p = lv.req.params
+    if p.greedy:
+        return ("greedy", p.ignore_eos)
+    if p.seed is not None:
+        return ("seeded", lv.req.id)
+    return ("sampled", p.temperature, p.top_p, p.top_k, p.ignore_eos)
+
+
+def step_all(sched, lives: list[Live]) -> tuple[int, int]:
+    """Advance every live row once; returns (tokens drafted, tokens accepted) this step."""
+    ks = _plan_k(sched, lives)
+    groups: dict[tuple, list[Live]] = {}
+    for lv in lives:
+        if lv.seq.row in ks:
+            groups.setdefault(group_key(lv), []).append(lv)
+    before = {lv.seq.row: (lv.seq.stats.drafted, lv.seq.stats.accepted) for lv in lives}
+    for group in groups.values():
+        _step_group(sched, group, RowK({lv.seq.row: ks[lv.seq.row] for lv in group}))
+    drafted = sum(lv.seq.stats.drafted - before[lv.seq.row][0] for lv in lives)
+    accepted = sum(lv.seq.stats.accepted - before[lv.seq.row][1] for lv in lives)
+    return drafted, accepted
+
+
+def _plan_k(sched, lives: list[Live]) -> dict[int, int]:
+    """k per row for this step, with KV blocks reserved for what the step may write; a row
+    whose next token finds no block fails (and leaves), one without room to draft drafts 0."""
+    k_cap = max((lv.req.k for lv in lives), default=0) if sched.drafter is not None else 0
+    if k_cap and sched.cost is not None:
+        k_cap = batch_k(sched.alpha, len(lives), k_cap, sched.cost, draft=0.0)
+    nodes = getattr(sched.drafter, "max_draft_nodes", lambda k: k)
+    ks = {}
+    for lv in lives:
+        k = min(lv.req.k, k_cap)
+        n = len(lv.seq.tokens)
+        if not lv.table.ensure(n + (nodes(k) if k else 0)):
+            k = 0
+            if not lv.table.ensure(n):
+                sched._finish(lv, Event(error="KV cache blocks exhausted"))
+                continue
+        ks[lv.seq.row] = k
+    return ks
+
+
+def _step_group(sched, group: list[Live], row_k: RowK) -> None:
+    params = group[0].req.params
+    by_row = {lv.seq.row: lv for lv in group}
+    k = max(row_k.ks.values())
+    job = engine.GenerateJob(
+        [], params, [], drafter=sched.drafter if k else None, k=k, eos_ids=sched.eos_ids,
+        should_stop=lambda row, gen: _stopped(sched, by_row[row], gen),
+        on_tokens=lambda row, gen, done: by_row[row].stream.update(0, gen, done),
+        k_policy=row_k,
+    )
+    generator = group[0].generator if params.seed is not None else sched.generator
+    if params.seed is not None and generator is None:
+        generator = group[0].generator = make_generator(params.seed, sched.model.device)
+    with torch.inference_mode():
+        engine.step(sched.model, sched.cache, [lv.seq for lv in group], job, generator)
+
+
+def _stopped(sched, lv: Live, generated: list[int]) -> bool:
+    stops = lv.req.params.stop
+    if not stops:
+        return False
+    tail = 4 * max(len(s) for s in stops) + 8  # tokens enough to spell any stop string
+    return stop_index(sched.llm._decode(generated[-tail:]), stops) is not None
+
