@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="feed the prompt as is (no chat template)")
     g.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding runs used for the speedup line")
     g.add_argument("--repeats", type=int, default=2, help="timed plain/speculative pairs behind the speedup line (alternating)")
+    g.add_argument("--show-drafts", action="store_true",
+                   help="print the output coloured by where each token came from (accepted draft, recovered, bonus)")
     _common(g)
     c = sub.add_parser("compare", formatter_class=fmt, help="plain vs speculative on a prompt set, alternating runs")
     c.add_argument("--prompts", default="spec_bench:mt_bench", help=PROMPT_SETS)
@@ -111,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", default="forerun-cost.png", help="PNG to write ('' for none)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods")
+    from forerun.bench.commands import add_parsers
+
+    add_parsers(sub, _common, fmt)  # bench, advise, drift
     v = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible HTTP server: continuous batching + speculation")
     _common(v)
     from forerun.serve.flags import add_arguments
@@ -132,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(available_methods()))
             return 0
         commands = {"generate": cmd_generate, "compare": cmd_compare, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
+        from forerun.bench.commands import cmd_advise, cmd_bench, cmd_drift
+
+        commands.update(bench=cmd_bench, advise=cmd_advise, drift=cmd_drift)
         if args.command == "serve":
             from forerun.serve.main import cmd_serve
 
@@ -190,8 +198,12 @@ def cmd_generate(args) -> int:
         args.prompt = DEFAULT_PROMPT
         print(f"prompt (built-in):\n{DEFAULT_PROMPT}\n---", file=sys.stderr, flush=True)
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
-    out = llm.generate(prompt, params, stream=lambda i, text: print(text, end="", flush=True))[0]
-    print()
+    if args.show_drafts:  # coloured after the fact: a token's colour is known once its step is verified
+        out = llm.generate(prompt, params)[0]
+        _show_drafts(llm, out)
+    else:
+        out = llm.generate(prompt, params, stream=lambda i, text: print(text, end="", flush=True))[0]
+        print()
     if out.finish_detail == "context":
         print(f"forerun: stopped after {len(out.token_ids)} tokens at the model's {llm.max_context}-token context "
               f"(asked for {params.max_tokens})", file=sys.stderr)
@@ -204,6 +216,12 @@ def cmd_generate(args) -> int:
         line = _speedup_line(llm, prompt, params, out, label, args.repeats)
     print(line, file=sys.stderr)
     return 0
+
+
+def _show_drafts(llm, out):
+    from forerun.provenance import Sample, render_terminal, token_pieces
+
+    render_terminal(Sample("output", token_pieces(llm._decode, out.token_ids), out.stats.origins))
 
 
 def _speedup_line(llm, prompt, params, out, label: str, repeats: int) -> str:

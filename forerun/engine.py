@@ -109,6 +109,7 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     for s, d, n, nxt in zip(active, drafts, num_accepted, next_tokens):
         s.stats.record_step(len(d.tokens), n)
         _commit(s, d.tokens[:n] + [nxt], job, cache, draft_s=t1 - t0, verify_s=t2 - t1)
+        _mark(s, bool(d.tokens), n, at_end=n == len(d.tokens))
 
 
 def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: float, t1: float):
@@ -138,6 +139,15 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
             cache.move(s.row, src, dst)
         s.stats.record_step(d.depth(), len(r.path), bonus=r.at_leaf and bool(d.tokens))
         _commit(s, [d.tokens[n] for n in r.path] + [r.next_token], job, cache, draft_s=t1 - t0, verify_s=t2 - t1)
+        _mark(s, bool(d.tokens), len(r.path), at_end=r.at_leaf)
+
+
+def _mark(s: Sequence, drafted: bool, accepted: int, at_end: bool):
+    """Where this step's emitted tokens came from (SpecStats.origins, one letter a token):
+    `accepted` draft tokens, then the verifier's own token: bonus when the draft ran out
+    (at_end), recovered when a draft token was refused, plain when nothing was drafted."""
+    last = "b" if drafted and at_end else "r" if drafted else "p"
+    s.stats.origins = (s.stats.origins + "a" * accepted + last)[: len(s.generated)]
 
 
 def _observe(job: GenerateJob, active, drafts, logits: torch.Tensor, paths: list[list[int]], nexts: list[int]):

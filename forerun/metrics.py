@@ -13,6 +13,11 @@ class SpecStats:
     bonus: int = 0  # steps whose whole non-empty draft was accepted
     verifier_forwards: int = 0  # decode steps (one verifier forward each; prefill not counted)
     accepted_at: list[int] = field(default_factory=list)  # [k] accepts per draft position
+    drafted_at: list[int] = field(default_factory=list)  # [k] steps whose draft reached each position
+    # One letter per generated token, where it came from (forerun/provenance.py):
+    # "a" accepted draft token, "r" recovered (the verifier's token where a draft token was refused),
+    # "b" bonus (after a fully accepted draft), "p" plain (a step that drafted nothing).
+    origins: str = ""
     prefill_time: float = 0.0  # seconds
     decode_time: float = 0.0  # seconds, from the end of prefill to the last token
     draft_time: float = 0.0  # seconds spent in the drafter (shared by the batch)
@@ -56,6 +61,9 @@ class SpecStats:
             self.rejections += 1
         while len(self.accepted_at) < draft_len:
             self.accepted_at.append(0)
+            self.drafted_at.append(0)
+        for i in range(draft_len):
+            self.drafted_at[i] += 1
         for i in range(num_accepted):
             self.accepted_at[i] += 1
 
@@ -79,6 +87,7 @@ def merge(stats: list[SpecStats]) -> SpecStats:
         for name in ("prefill_time", "decode_time", "draft_time", "verify_time"):
             setattr(out, name, getattr(out, name) + getattr(s, name))
         out.accepted_at = [a + b for a, b in _zip_longest(out.accepted_at, s.accepted_at)]
+        out.drafted_at = [a + b for a, b in _zip_longest(out.drafted_at, s.drafted_at)]
     return out
 
 

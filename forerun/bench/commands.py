@@ -1,0 +1,207 @@
+"""The CLI side of `forerun bench`, `forerun advise` and `forerun drift` (parsers and
+commands; forerun/cli.py registers them). Imports stay inside the commands so that
+`forerun --help` does not load torch."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+from forerun.errors import ForerunError
+
+BENCH_SETS = "spec_bench:summarization,spec_bench:qa,humaneval"
+
+
+def add_parsers(sub, common, fmt):
+    """bench, advise and drift subparsers; `common` adds the shared model/sampling/drafter options."""
+    b = sub.add_parser("bench", formatter_class=fmt, conflict_handler="resolve",
+                       help="plain vs methods x k on prompt sets: JSON, Markdown/HTML report, plots, a verdict")
+    common(b)
+    b.add_argument("--prompts", default=BENCH_SETS, help="comma-separated prompt sets (each spec_bench:<subtask> is "
+                   "one workload; other sets split by category) or .jsonl files")
+    b.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
+    b.add_argument("--limit", type=int, default=3, help="prompts per workload")
+    b.add_argument("--method", "--methods", dest="methods", default="ngram", help="comma-separated drafters")
+    b.add_argument("--k", default="5", help="comma-separated draft lengths, 'auto' included (e.g. 3,5,auto)")
+    b.add_argument("--out", default="forerun-bench", help="report folder (bench.json, report.md/.html, PNGs)")
+    b.add_argument("--resume", action="store_true", help="keep the cells already in OUT/bench.json, run the rest")
+    b.add_argument("--no-cost", action="store_true", help="skip the cost curve behind the batch-size estimates")
+    b.add_argument("--vs", default="", help="peers to run beside forerun: transformers, llama.cpp (comma-separated)")
+    b.add_argument("--peer-limit", type=int, default=2, help="prompts (from the first workload) the peers run")
+    b.add_argument("--llama-cpp-dir", default=None, help="folder with llama-bench (default: $FORERUN_LLAMA_CPP_BIN)")
+    b.add_argument("--draft-gguf", default=None, help="draft GGUF for llama.cpp's draft-model speculation")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = sub.add_parser("advise", formatter_class=fmt, help="verdicts per workload from a bench JSON")
+    a.add_argument("report", help="a bench.json written by forerun bench")
+    d = sub.add_parser("drift", formatter_class=fmt, conflict_handler="resolve",
+                       help="does a drafter still pay after the verifier changed? old vs new verifier, same prompts")
+    common(d)
+    d.add_argument("--method", "--methods", "--drafter", dest="methods", default="ngram", help="comma-separated drafters")
+    d.add_argument("--old-model", default=None, help="the verifier the drafter was set up for (default: embedded)")
+    d.add_argument("--new-model", default=None, help="the new verifier version (default: the old one)")
+    d.add_argument("--old-dtype", default=None, help="old verifier precision (default: --dtype)")
+    d.add_argument("--new-dtype", default=None, help="new verifier precision (default: --dtype)")
+    d.add_argument("--perturb", type=float, default=0.0, help="add noise of this x each weight's std to the new verifier (a stand-in for a fine-tune)")
+    d.add_argument("--prompts", default="spec_bench:summarization,spec_bench:qa", help="comma-separated prompt sets")
+    d.add_argument("--data-dir", default=None, help="prompt data folder")
+    d.add_argument("--limit", type=int, default=3, help="prompts per workload")
+    d.add_argument("--out", default=None, help="write the comparison as JSON here")
+
+
+def _ks(text: str) -> list:
+    from forerun.cli import _k_arg
+
+    ks = [_k_arg(x.strip()) for x in text.split(",") if x.strip()]
+    if not ks or any(k == 0 for k in ks):
+        raise ForerunError("--k needs draft lengths >= 1 or 'auto' (plain decoding always runs)")
+    return ks
+
+
+def specs_from(args) -> list:
+    """One SpeculativeConfig per method x k, with the shared drafter options from args."""
+    from forerun.cli import _configs
+
+    specs = []
+    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        if method in ("plain", "none"):
+            raise ForerunError("plain decoding always runs: list only drafters in --methods")
+        for k in _ks(str(args.k)):
+            ns = copy.copy(args)
+            ns.method, ns.k = method, k
+            specs.append(_configs(ns)[1])
+    return specs
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from forerun.bench.bench import BenchRun, run_bench, save, workloads_from
+    from forerun.bench.grid import make_methods
+    from forerun.bench.report import screenshot, write_reports
+    from forerun.bench.spread import busy_note
+    from forerun.cli import _configs
+    from forerun.llm import LLM
+
+    params, _ = _configs(_plain(args))
+    specs = specs_from(args)
+    verifier = LLM(model=args.model, dtype=args.dtype, speculative=None)
+    sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
+    workloads = workloads_from(verifier, sets, args.limit, args.data_dir)
+    meta = {"model": args.model or "smollm2-135m", "dtype": args.dtype, "prompts": args.prompts, "limit": args.limit,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "threads": torch.get_num_threads()}
+    run = BenchRun(verifier, make_methods(verifier, specs), workloads, params, meta, Path(args.out), args.resume,
+                   progress=not args.no_progress)
+    result = run_bench(run)
+    run.out.mkdir(parents=True, exist_ok=True)
+    if not args.no_cost and "cost_curve" not in result:
+        result["cost_curve"] = _cost_curve(verifier)
+    if args.vs:
+        result["peers"] = _peers(args, verifier, workloads, specs)
+    busy = busy_note(torch.get_num_threads())
+    if busy and busy not in result["warnings"]:
+        result["warnings"].append(busy)
+    written = write_reports(result, run.out)
+    save(result, run.json_path)
+    shot = screenshot(written["report.html"], run.out / "report-screenshot.png")
+    print((run.out / "report.md").read_text().split("## Results")[0])
+    print(f"wrote {', '.join(str(p) for p in [run.json_path, *written.values()])}"
+          + (f", {shot}" if shot else " (no chromium: no screenshot)"), file=sys.stderr)
+    return 0
+
+
+def _plain(args):
+    ns = copy.copy(args)
+    ns.method, ns.k = "none", 0
+    return ns
+
+
+def _cost_curve(verifier) -> dict:
+    from forerun.bench.cost import measure
+
+    print("forerun: measuring the verifier's cost curve (forward time vs tokens scored)...", file=sys.stderr, flush=True)
+    tokens = [1, 2, 4, 8, 16, 32, 64]
+    return {"context": 256, "ms": {str(t): ms for t, ms in measure(verifier.model, tokens, 256, 3).items()}}
+
+
+def _peers(args, verifier, workloads, specs) -> dict:
+    from forerun.bench.peers import PeerSetup, run_peers
+    from forerun.llm import LLM
+
+    prompts = workloads[0].prompts[: args.peer_limit]
+    texts = [verifier._decode(ids) if verifier.tokenizer is not None else "" for _, ids in prompts]
+    ks = [s.num_speculative_tokens for s in specs if isinstance(s.num_speculative_tokens, int)]
+    draft_src = LLM(args.draft_model, dtype="float32", progress=False).source if args.draft_model else None
+    setup = PeerSetup([ids for _, ids in prompts], texts, args.max_new_tokens, ks[0] if ks else 5, draft_src,
+                      gguf_for(args.model), Path(args.draft_gguf) if args.draft_gguf else None, args.llama_cpp_dir)
+    vs = [v.strip() for v in args.vs.split(",") if v.strip()]
+    print(f"forerun: peers ({', '.join(vs)}) on {len(prompts)} prompts...", file=sys.stderr, flush=True)
+    return run_peers(verifier, vs, setup)
+
+
+def gguf_for(model: str | None) -> Path | None:
+    """The GGUF behind an embedded model name or a .gguf path; None for other forms."""
+    from forerun import embedded
+
+    if model is None or model in ("default", "smollm2-135m"):
+        return embedded.ensure_default_gguf(progress=False)
+    if model in embedded.QWEN_MODELS:
+        return embedded.ensure_chunked_gguf(embedded.QWEN_MODELS[model], progress=False)
+    if model == "gemma3-270m":
+        return embedded.gemma3_gguf_path()
+    return Path(model) if model.endswith(".gguf") else None
+
+
+def cmd_advise(args) -> int:
+    from forerun.advise import advise, summary_line
+
+    path = Path(args.report)
+    if not path.is_file():
+        raise ForerunError(f"no bench report at {path} (run forerun bench --out FOLDER first)")
+    adv = advise(json.loads(path.read_text()))
+    print(summary_line(adv))
+    for a in adv:
+        print(a.text())
+    return 0
+
+
+def cmd_drift(args) -> int:
+    from forerun.drift import compare, report_lines
+
+    specs = specs_from(args)
+    old_dtype, new_dtype = args.old_dtype or args.dtype, args.new_dtype or args.dtype
+    cells = {}
+    for side, model, dtype, sigma in (("old", args.old_model, old_dtype, 0.0), ("new", args.new_model or args.old_model, new_dtype, args.perturb)):
+        print(f"forerun: {side} verifier: {model or 'smollm2-135m'} at {dtype}" + (f", perturbed x{sigma}" if sigma else ""),
+              file=sys.stderr, flush=True)
+        cells[side] = _side_cells(args, model, dtype, sigma, specs)
+    flags = compare(cells["old"], cells["new"])
+    for line in report_lines(flags):
+        print(line)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"old": cells["old"], "new": cells["new"], "flags": [f.to_dict() for f in flags]}, indent=1))
+    return 1 if any(f.status == "stopped paying" for f in flags) else 0
+
+
+def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
+    from forerun.bench.bench import workloads_from
+    from forerun.bench.cell import summarize_cell
+    from forerun.bench.grid import make_methods, run_workload, warm_up
+    from forerun.cli import _configs
+    from forerun.drift import perturb_
+    from forerun.llm import LLM
+
+    params, _ = _configs(_plain(args))
+    verifier = LLM(model=model, dtype=dtype, speculative=None, progress=False)
+    if sigma:
+        perturb_(verifier.model, sigma, seed=args.seed)
+    methods = make_methods(verifier, specs)
+    workloads = workloads_from(verifier, [s.strip() for s in args.prompts.split(",") if s.strip()], args.limit, args.data_dir)
+    warm_up(verifier, methods, workloads[0].prompts[0][1])
+    cells = []
+    for w in workloads:
+        pairs = run_workload(verifier, methods, w, params)
+        cells += [summarize_cell(w.category, m.label, m.k, pairs[m.label], params.greedy) for m in methods]
+    return cells

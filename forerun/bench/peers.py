@@ -1,0 +1,160 @@
+"""Peers beside forerun in a bench report: Hugging Face transformers' `generate` (plain,
+prompt lookup, an assistant model) on the same weights and prompts, and llama.cpp's own
+tools on the model's GGUF (llama-bench: plain decoding; llama-speculative-simple: its
+prompt lookup and, given a draft GGUF, draft-model speculation).
+
+Each peer that cannot run here is skipped with a sentence saying why and how to get it.
+transformers figures are end to end (prefill included) like forerun's, engines rotating
+per prompt; llama.cpp's are decode-only tokens/s from its own timers, set beside
+forerun's decode-only figure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from forerun.config import SamplingParams
+
+LLAMA_ENV = "FORERUN_LLAMA_CPP_BIN"
+LLAMA_HOWTO = ("llama.cpp tools not found: pass --llama-cpp-dir or set $FORERUN_LLAMA_CPP_BIN to the folder holding "
+               "llama-bench and llama-speculative-simple (build them from the llama.cpp sources inside the "
+               "llama-cpp-python sdist: pip download --no-binary :all: --no-deps llama-cpp-python; tar xf it; "
+               "cmake -S vendor/llama.cpp -B build -DLLAMA_CURL=OFF && cmake --build build -j --target "
+               "llama-bench llama-speculative-simple; about 15 minutes on 2 cores)")
+
+
+@dataclass
+class PeerSetup:
+    prompts: list[list[int]]  # token ids, the same for every engine
+    texts: list[str]  # the same prompts as text (for llama.cpp's command line)
+    max_new: int
+    k: int  # draft length for the peers' speculation
+    draft_source: Path | None = None  # an HF folder for transformers' assistant_model
+    gguf: Path | None = None  # the verifier's GGUF for llama.cpp
+    draft_gguf: Path | None = None
+    llama_dir: str | None = None
+    threads: int = field(default_factory=torch.get_num_threads)
+
+
+def run_peers(verifier, vs: list[str], setup: PeerSetup) -> dict:
+    """{"rows": [...], "skipped": [...]}: forerun plain first, then each peer asked for."""
+    rows, skipped = [], []
+    ref = _forerun_plain(verifier, setup)
+    rows.append(ref)
+    if "transformers" in vs:
+        try:
+            rows += _transformers(verifier, setup, ref)
+        except (ImportError, OSError, ValueError) as e:
+            skipped.append(f"transformers: {e.__class__.__name__}: {e} (pip install 'forerun[test]')")
+    if "llama.cpp" in vs:
+        rows_l, why = _llama_cpp(setup, ref)
+        rows += rows_l
+        skipped += why
+    ref.pop("tokens")
+    return {"rows": rows, "skipped": skipped, "n_prompts": len(setup.prompts), "max_new_tokens": setup.max_new}
+
+
+def _forerun_plain(verifier, setup: PeerSetup) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=setup.max_new)
+    outs = [verifier.generate([ids], params, speculative=None)[0] for ids in setup.prompts]
+    n, t = sum(o.stats.generated for o in outs), sum(o.stats.wall_time for o in outs)
+    decode = sum(o.stats.decode_time for o in outs)
+    return {"engine": "forerun plain", "tokens_per_s": n / t, "decode_tokens_per_s": n / decode,
+            "vs_forerun_plain": 1.0, "tokens": [o.token_ids for o in outs], "same_tokens": f"{len(outs)}/{len(outs)}"}
+
+
+def _transformers(verifier, setup: PeerSetup, ref: dict) -> list[dict]:
+    import transformers
+
+    if verifier.source is None:
+        raise ValueError("the verifier was built in memory: transformers needs a model folder")
+    load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()  # noqa: E731
+    hf = load(verifier.source)
+    eos = sorted(verifier._eos_ids())
+    engines = {"transformers plain": {}, f"transformers prompt lookup ({setup.k})": {"prompt_lookup_num_tokens": setup.k}}
+    if setup.draft_source is not None:
+        engines["transformers assistant model"] = {"assistant_model": load(setup.draft_source)}
+    totals = {name: [0, 0.0, 0] for name in engines}
+    names = list(engines)
+    for i, ids in enumerate(setup.prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            toks, dt = _hf_generate(hf, ids, setup.max_new, eos, engines[name])
+            totals[name][0] += len(toks)
+            totals[name][1] += dt
+            totals[name][2] += toks == ref["tokens"][i]
+    n = len(setup.prompts)
+    return [{"engine": name, "tokens_per_s": tok / dt, "vs_forerun_plain": (tok / dt) / ref["tokens_per_s"],
+             "same_tokens": f"{same}/{n}", "note": "end to end, float32"} for name, (tok, dt, same) in totals.items()]
+
+
+def _hf_generate(model, ids, max_new, eos, extra) -> tuple[list[int], float]:
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos[0], **extra)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t
+
+
+def llama_cpp_dir(given: str | None) -> Path | None:
+    d = given or os.environ.get(LLAMA_ENV)
+    if d and (Path(d) / "llama-bench").is_file():
+        return Path(d)
+    return None
+
+
+def _llama_cpp(setup: PeerSetup, ref: dict) -> tuple[list[dict], list[str]]:
+    bindir = llama_cpp_dir(setup.llama_dir)
+    if bindir is None:
+        return [], [LLAMA_HOWTO]
+    if setup.gguf is None:
+        return [], ["llama.cpp: no GGUF file for this model (use an embedded model or a .gguf --model)"]
+    base = ref["decode_tokens_per_s"]
+    rows = [_row("llama.cpp plain (llama-bench)", _llama_bench(bindir, setup), base)]
+    runs = {"llama.cpp prompt lookup (ngram-simple)": ["--spec-type", "ngram-simple"]}
+    if setup.draft_gguf is not None:
+        runs["llama.cpp draft model"] = ["--spec-type", "draft-simple", "-md", str(setup.draft_gguf)]
+    skipped = [] if setup.draft_gguf else ["llama.cpp draft model: pass --draft-gguf to run llama-speculative-simple with a drafter"]
+    for name, extra in runs.items():
+        tps, acc = _llama_spec(bindir, setup, extra)
+        rows.append({**_row(name, tps, base), "note": f"decode only, acceptance {acc}"})
+    return rows, skipped
+
+
+def _row(name: str, tps: float | None, base: float) -> dict:
+    return {"engine": name, "tokens_per_s": tps, "vs_forerun_plain": tps / base if tps else None,
+            "note": "decode only (vs forerun's decode-only tok/s)"}
+
+
+def _llama_bench(bindir: Path, setup: PeerSetup) -> float | None:
+    cmd = [str(bindir / "llama-bench"), "-m", str(setup.gguf), "-p", "0", "-n", str(setup.max_new),
+           "-t", str(setup.threads), "-r", "3", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    rows = json.loads(out or "[]")
+    return float(rows[0]["avg_ts"]) if rows else None
+
+
+def _llama_spec(bindir: Path, setup: PeerSetup, extra: list[str]) -> tuple[float | None, str]:
+    """Summed decode tokens / seconds over the prompts, from llama-speculative-simple's log."""
+    tokens, seconds, acc = 0, 0.0, []
+    for text in setup.texts:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(text)
+        cmd = [str(bindir / "llama-speculative-simple"), "-m", str(setup.gguf), "-f", f.name, "-n", str(setup.max_new),
+               "--spec-draft-n-max", str(setup.k), "-t", str(setup.threads), "--temp", "0", *extra]
+        log = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stderr
+        os.unlink(f.name)
+        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        if m:
+            tokens, seconds = tokens + int(m.group(1)), seconds + float(m.group(2))
+        a = re.search(r"accept\s+=\s+([\d.]+)%", log)
+        if a:
+            acc.append(float(a.group(1)))
+    return (tokens / seconds if seconds > 0 else None), (f"{sum(acc) / len(acc):.0f}%" if acc else "n/a")
