@@ -19,7 +19,7 @@ def build_server(llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeCo
     cfg = ServeConfig(**{**cfg.__dict__, "max_len": min(cfg.max_len, llm.max_context)})
     metrics = ServeMetrics()
     sched = Scheduler(llm, spec, cfg, metrics)
-    names = tuple(dict.fromkeys(names + (llm.name,)))
+    names = tuple(dict.fromkeys(names or (llm.name,)))  # the first is the id responses carry
     limits = Limits(names, cfg.max_len, default_max_tokens, sched.spec.method if sched.spec else None, sched.k_max)
     return build_app(llm, sched, limits, metrics)
 
@@ -33,7 +33,7 @@ def cmd_serve(args) -> int:
     llm = _llm(args, spec)
     cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
                       max_queue=args.max_queue, batch_aware=not args.no_batch_aware)
-    names = tuple(n for n in (args.served_name, args.model) if n)
+    names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
     app = build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names)
     st = app.state
     print(f"forerun serve: {st.limits.model_names[0]} ({args.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "

@@ -21,6 +21,7 @@ class Event:
     error: str | None = None  # the request failed inside the engine (last event)
     completion_tokens: int = 0  # generated so far
     stats: SpecStats | None = None  # on the last event
+    token_ids: list[int] | None = None  # [n] every generated id, on the last event
 
 
 @dataclass

@@ -160,7 +160,7 @@ class Scheduler:
         self.running.pop(lv.seq.row, None)
         lv.table.release()
         self.free_rows.append(lv.seq.row)
-        last.completion_tokens, last.stats = len(lv.seq.generated), lv.seq.stats
+        last.completion_tokens, last.stats, last.token_ids = len(lv.seq.generated), lv.seq.stats, lv.seq.generated
         if self.metrics:
             self.metrics.on_finish(lv, last)
         lv.req.sink(last)

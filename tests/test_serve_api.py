@@ -1,0 +1,117 @@
+"""The HTTP API on loopback: the official openai client (plain and streaming), per-request
+speculation, /v1/models, /health, /metrics, and 4xx JSON errors for bad requests."""
+import json
+
+import openai
+import pytest
+
+from tests.serve_util import NAME, tiny_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with tiny_server(k=4) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_completions_and_chat(client):
+    out = client.completions.create(model=NAME, prompt="abcabcabcab", max_tokens=12, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens <= 12
+    assert out.usage.prompt_tokens == 11
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_openai_client_streams_the_same_text(client):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "123123123"}], max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens >= 1
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish in (["length"], ["stop"])
+    text = "".join(c.choices[0].text for c in client.completions.create(model=NAME, prompt="xyxyxy", max_tokens=10, temperature=0, stream=True))
+    assert text == client.completions.create(model=NAME, prompt="xyxyxy", max_tokens=10, temperature=0).choices[0].text
+
+
+def test_sse_framing_ends_with_done(server):
+    with server.client() as c, c.stream("POST", "/v1/completions", json={"prompt": "aaaa", "max_tokens": 5, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_speculation_per_request_including_off(client):
+    kw = dict(model=NAME, prompt="121212121212", max_tokens=24, temperature=0)
+    on = client.completions.create(**kw).model_extra["forerun"]
+    off = client.completions.create(extra_body={"speculative": {"method": "none"}}, **kw)
+    k1 = client.completions.create(extra_body={"speculative": {"k": 1}}, **kw)
+    assert off.model_extra["forerun"]["drafted"] == 0 and on["drafted"] > 0
+    assert k1.model_extra["forerun"]["drafted"] <= k1.model_extra["forerun"]["verifier_forwards"]
+    assert off.choices[0].text == client.completions.create(**kw).choices[0].text == k1.choices[0].text  # greedy: exact
+
+
+def test_stop_strings_are_cut(server):
+    with server.client() as c:
+        full = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 30, "temperature": 0}).json()["choices"][0]["text"]
+        stop = full[5:7]
+        cut = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 30, "temperature": 0, "stop": [stop]}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop" and stop not in cut["choices"][0]["text"]
+    assert full.startswith(cut["choices"][0]["text"])
+
+
+BAD = [
+    ({"prompt": "x", "frobnicate": 1}, 400),  # unknown field
+    ({"prompt": "x", "temperature": -1}, 400),
+    ({"prompt": "x", "temperature": 1e9}, 400),
+    ({"prompt": "x", "top_p": 0}, 400),
+    ({"prompt": "x", "top_k": -5}, 400),
+    ({"prompt": "x", "max_tokens": 0}, 400),
+    ({"prompt": "x", "max_tokens": 10**6}, 400),  # beyond the context
+    ({"prompt": "x" * 300}, 400),  # prompt over the context (256)
+    ({"prompt": [1000]}, 400),  # token id outside the vocabulary
+    ({"prompt": "x", "n": 3}, 400),
+    ({"prompt": "x", "seed": -1}, 400),
+    ({"prompt": "x", "stop": ["a"] * 9}, 400),
+    ({"prompt": ""}, 400),
+    ({"prompt": ["a", "b"]}, 400),
+    ({"prompt": "x", "model": "gpt-4"}, 404),
+    ({"prompt": "x", "speculative": {"method": "eagle"}}, 400),
+    ({"prompt": "x", "speculative": {"k": -1}}, 400),
+    ({}, 400),
+]
+
+
+@pytest.mark.parametrize("body,status", BAD)
+def test_bad_requests_get_json_4xx(server, body, status):
+    with server.client() as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert "message" in r.json()["error"]
+
+
+def test_malformed_json_and_bad_chat(server):
+    with server.client() as c:
+        assert c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+        assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+        assert c.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}).status_code == 400
+        assert c.get("/v1/nothing").status_code == 404
+        assert c.get("/health").json()["status"] == "ok"
+
+
+def test_metrics_report_speculation(server, client):
+    client.completions.create(model=NAME, prompt="5555555555", max_tokens=10, temperature=0)
+    with server.client() as c:
+        text = c.get("/metrics").text
+    for name in ("forerun_requests_total", "forerun_generated_tokens_total", "forerun_queue_depth", "forerun_batch_size",
+                 "forerun_drafted_tokens_total", "forerun_accepted_tokens_total", "forerun_acceptance_rate",
+                 "forerun_mean_accepted_length", "forerun_step_seconds_bucket", "forerun_kv_blocks_used"):
+        assert name in text, name
+    assert 'forerun_position_drafted_total{position="1"}' in text

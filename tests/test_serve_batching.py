@@ -1,0 +1,105 @@
+"""Continuous batching keeps greedy outputs exact: a request that joins a running batch
+mid-flight, shares forwards with other requests (drafting different k, or none), or takes
+a cache row another request just left, emits exactly what it emits alone (float32 and
+int8, whose forwards are batch-invariant with forerun's kernels)."""
+import threading
+import time
+
+import pytest
+
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.models import int8_kernel
+from forerun.serve.request import ServeRequest
+from forerun.serve.scheduler import QueueFull, Scheduler, ServeConfig
+from tests.serve_util import tiny_llm
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4],
+           [5, 6, 7, 5, 6, 7, 5], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 40, 41] * 6]
+KS = [4, 0, 2, 4, 1, 3]  # per-request draft length (0 = plain decoding)
+
+
+class Collector:
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev.finish_reason or ev.error:
+            self.done.set()
+
+    @property
+    def last(self):
+        return self.events[-1]
+
+
+def submit(sched, prompt, k, params):
+    sink = Collector()
+    sched.submit(ServeRequest(prompt, params, params.max_tokens, k, sink))
+    return sink
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_greedy_under_concurrency_equals_alone(dtype):
+    if dtype == "int8" and int8_kernel.load() is None:
+        pytest.skip("needs the compiled int8 kernels")
+    llm = tiny_llm(dtype)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = [llm.generate([p], greedy, speculative=None)[0].token_ids for p in PROMPTS]
+    sched = Scheduler(llm, SpeculativeConfig("ngram", 4, ngram_min=1), ServeConfig(max_batch=3, max_len=256, block_size=8, batch_aware=False)).start()
+    try:
+        first = [submit(sched, p, k, greedy) for p, k in zip(PROMPTS[:2], KS[:2])]
+        while len(first[0].events) < 3:  # the others join a batch already decoding
+            time.sleep(0.001)
+        sampled = submit(sched, [7, 8, 9], 3, SamplingParams(temperature=0.9, max_tokens=30, seed=1))  # another group
+        rest = [submit(sched, p, k, greedy) for p, k in zip(PROMPTS[2:], KS[2:])]  # 3 rows: some wait for a free row
+        for sink in first + rest + [sampled]:
+            assert sink.done.wait(60)
+    finally:
+        sched.stop()
+    got = [s.last.token_ids for s in first + rest]
+    assert got == alone
+    assert all(s.last.finish_reason == "length" for s in first + rest)
+    assert sum(s.last.stats.drafted for s in first + rest) > 0
+    assert first[1].last.stats.drafted == 0  # k = 0: plain decoding inside a speculative batch
+    assert sched.blocks.used == 0 and sorted(sched.free_rows) == [0, 1, 2]
+
+
+def test_seeded_sampling_is_reproducible_under_concurrency():
+    llm = tiny_llm()
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=7)
+    sched = Scheduler(llm, SpeculativeConfig("ngram", 3, ngram_min=1), ServeConfig(max_batch=4, max_len=128, batch_aware=False)).start()
+    try:
+        a = submit(sched, PROMPTS[0], 3, params)
+        noise = [submit(sched, p, 2, SamplingParams(temperature=0.7, max_tokens=20)) for p in PROMPTS[1:3]]
+        for s in [a] + noise:
+            assert s.done.wait(60)
+        b = submit(sched, PROMPTS[0], 3, params)
+        assert b.done.wait(60)
+    finally:
+        sched.stop()
+    assert a.last.token_ids == b.last.token_ids
+
+
+def test_a_full_queue_refuses_and_nothing_leaks():
+    llm = tiny_llm()
+    sched = Scheduler(llm, None, ServeConfig(max_batch=1, max_len=128, max_queue=2))  # not started: nothing drains
+    params = SamplingParams(temperature=0, max_tokens=5)
+    sinks = [submit(sched, [1, 2], 0, params) for _ in range(2)]
+    with pytest.raises(QueueFull):
+        submit(sched, [1, 2], 0, params)
+    sched.start()
+    try:
+        assert all(s.done.wait(30) for s in sinks)
+    finally:
+        sched.stop()
+    assert sched.blocks.used == 0
+
+
+def test_batch_aware_k_never_exceeds_the_request_and_turns_off_when_compute_bound():
+    from forerun.serve.batch_k import CostModel, batch_k
+
+    flat = CostModel({1: 1.0, 64: 1.0})
+    linear = CostModel({1: 1.0, 2: 2.0})  # compute-bound from the first token
+    assert batch_k(0.8, 8, 5, flat, 0.0) == 5
+    assert batch_k(0.99, 1, 5, linear, 0.0) == 0  # scoring twice the tokens costs twice: never pays
+    assert batch_k(0.0, 1, 5, flat, 0.0) == 0  # nothing accepted: no reason to draft
