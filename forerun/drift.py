@@ -69,13 +69,16 @@ def perturb_(model: torch.nn.Module, sigma: float, seed: int = 0) -> torch.nn.Mo
     g = torch.Generator().manual_seed(seed)
     touched = 0
     named = list(model.named_parameters()) + list(model.named_buffers())
+    if any(t.dtype in (torch.int8, torch.uint8) for _, t in named):
+        raise ValueError("an int8/int4 model's weights cannot be perturbed: perturb a float model, "
+                         "or compare precisions (--new-dtype)")
     for name, t in named:
         if name.endswith(("weight", "weight_packed")) and t.is_floating_point() and t.dim() >= 2:
             noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype)
             t.add_(noise * t.float().std().to(t.dtype) * sigma)
             touched += 1
     if not touched:
-        raise ValueError("no floating-point weight matrices to perturb (an int8 model?)")
+        raise ValueError("no floating-point weight matrices to perturb")
     return model
 
 

@@ -78,7 +78,8 @@ def run_bench(run: BenchRun) -> dict:
     if not todo:
         return result
     run.out.mkdir(parents=True, exist_ok=True)
-    warm_up(run.verifier, [m for _, ms in todo for m in ms], todo[0][0].prompts[0][1])
+    pending = {m.label: m for _, ms in todo for m in ms}
+    warm_up(run.verifier, list(pending.values()), todo[0][0].prompts[0][1])
     with tqdm(total=total, desc="bench runs", disable=not run.progress, unit="run") as bar:
         for w, ms in todo:
             bar.set_postfix_str(w.category)

@@ -196,7 +196,10 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
     params, _ = _configs(_plain(args))
     verifier = LLM(model=model, dtype=dtype, speculative=None, progress=False)
     if sigma:
-        perturb_(verifier.model, sigma, seed=args.seed)
+        try:
+            perturb_(verifier.model, sigma, seed=args.seed)
+        except ValueError as e:
+            raise ForerunError(f"--perturb: {e}") from None
     methods = make_methods(verifier, specs)
     workloads = workloads_from(verifier, [s.strip() for s in args.prompts.split(",") if s.strip()], args.limit, args.data_dir)
     warm_up(verifier, methods, workloads[0].prompts[0][1])

@@ -1,0 +1,139 @@
+"""forerun bench on tiny random models: cells, JSON, --resume, reports; the advisor's
+verdicts on synthetic results; drift flagging with a perturbed verifier."""
+import json
+
+import pytest
+
+from forerun.advise import advise, batch_estimates, summary_line
+from forerun.bench.bench import BenchRun, run_bench
+from forerun.bench.cell import summarize_cell
+from forerun.bench.grid import Workload, make_methods, run_workload
+from forerun.bench.report import write_reports
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.drift import compare, perturb_
+from forerun.errors import ForerunError
+from forerun.llm import LLM
+from tests.tiny import tiny_model
+
+WORK = [Workload("loops", [("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]), ("b", [5, 6, 5, 6, 5, 6, 5])]),
+        Workload("mixed", [("c", [30, 1, 30, 2, 7, 7, 8, 30, 1]), ("d", [9, 9, 9, 9])])]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def bench_run(tmp_path, specs, resume=False) -> BenchRun:
+    verifier = LLM(tiny_model(seed=0, num_hidden_layers=2))
+    meta = {"model": "tiny", "max_new_tokens": 24}
+    return BenchRun(verifier, make_methods(verifier, specs), WORK, GREEDY, meta, tmp_path, resume, progress=False)
+
+
+def test_bench_cells_json_and_reports(tmp_path):
+    run = bench_run(tmp_path, [SpeculativeConfig("ngram", 2), SpeculativeConfig("ngram", "auto", options={"k_max": 4})])
+    result = run_bench(run)
+    assert [(c["category"], c["method"]) for c in result["cells"]] == [
+        ("loops", "ngram k=2"), ("loops", "ngram k=auto"), ("mixed", "ngram k=2"), ("mixed", "ngram k=auto")]
+    for c in result["cells"]:
+        assert c["identical"] is True and c["n_prompts"] == 2 and c["speedup"] > 0
+        assert c["predicted_tau"] >= 1.0 and len(c["acceptance_by_position"]) <= (2 if c["k"] == 2 else 4)
+    assert result["cells"][0]["acceptance_by_position"]  # repetitive prompts: the n-gram drafter drafts
+    assert json.loads(run.json_path.read_text())["cells"] == result["cells"]
+    assert {s["method"] for s in result["samples"]} == {"ngram k=2", "ngram k=auto"}
+    written = write_reports(result, tmp_path)
+    for name in ("report.md", "report.html", "speedup_by_k.png", "acceptance_by_position.png"):
+        assert written[name].stat().st_size > 500
+    md = written["report.md"].read_text()
+    assert "| loops | ngram k=2 |" in md and "Verdict" in md
+    assert 'class="tok o-' in written["report.html"].read_text()
+
+
+def test_resume_keeps_finished_cells_and_runs_only_new_ones(tmp_path, monkeypatch):
+    first = run_bench(bench_run(tmp_path, [SpeculativeConfig("ngram", 2)]))
+    calls = []
+    real = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, *a, **kw: calls.append(kw.get("speculative")) or real(self, *a, **kw))
+    run = bench_run(tmp_path, [SpeculativeConfig("ngram", 2), SpeculativeConfig("ngram", 3)], resume=True)
+    result = run_bench(run)
+    assert result["cells"][:2] == first["cells"]  # kept as they were
+    assert [c["method"] for c in result["cells"][2:]] == ["ngram k=3", "ngram k=3"]
+    timed = calls[2:]  # after the warm-up (plain + the one pending method)
+    assert len(timed) == 4 * 2  # 4 prompts x (plain + ngram k=3): the finished ngram k=2 never reran
+    calls.clear()
+    assert run_bench(bench_run(tmp_path, [SpeculativeConfig("ngram", 2)], resume=True))["cells"] == result["cells"]
+    assert calls == []  # nothing left to run
+    other = bench_run(tmp_path, [SpeculativeConfig("ngram", 2)], resume=True)
+    other.meta = {**other.meta, "max_new_tokens": 99}
+    with pytest.raises(ForerunError, match="max_new_tokens"):
+        run_bench(other)
+
+
+def cell(cat, method, k, speedup, low, high, acc=0.5, n=5, by_pos=(0.6, 0.4)):
+    ts = {"prefill_s": 0.1, "draft_s": 0.05, "verify_s": 1.0, "overhead_s": 0.0}
+    from forerun.bench.spread import verdict
+
+    return {"category": cat, "method": method, "k": k, "n_prompts": n, "speedup": speedup, "speedup_ci95": [low, high],
+            "verdict": verdict(low, high),
+            "tokens_per_s": 10 * speedup, "plain_tokens_per_s": 10.0, "acceptance_rate": acc, "tau": 2.0,
+            "predicted_tau": 2.1, "acceptance_by_position": list(by_pos), "drafted_per_step": float(k if k != "auto" else 3),
+            "steps": 50, "plain_steps": 100, "time_split": ts, "plain_time_split": ts, "identical": True, "match_share": 1.0}
+
+
+def test_advisor_verdicts():
+    cells = [cell("code", "ngram k=3", 3, 1.40, 1.2, 1.6), cell("code", "ngram k=5", 5, 1.30, 1.1, 1.5),
+             cell("chat", "ngram k=3", 3, 1.05, 0.9, 1.2), cell("chat", "ngram k=5", 5, 0.95, 0.85, 1.05),
+             cell("math", "ngram k=3", 3, 0.80, 0.70, 0.90),
+             cell("qa", "ngram k=5", 5, 1.30, 1.1, 1.5, by_pos=(0.5, 0.4, 0.1, 0.05, 0.0)),
+             cell("qa", "ngram k=auto", "auto", 1.26, 1.1, 1.4)]
+    adv = {a.category: a for a in advise({"cells": cells})}
+    assert adv["code"].use and adv["code"].method == "ngram k=3" and adv["code"].headline == "USE ngram k=3"
+    assert not adv["chat"].use and "no measurable gain" in adv["chat"].headline
+    assert not adv["math"].use and "slower" in adv["math"].headline
+    assert adv["qa"].use and adv["qa"].method == "ngram k=auto"  # within 5% of the best fixed k
+    assert any("position 3 onwards" in e for e in adv["qa"].evidence)
+    line = summary_line(list(adv.values()))
+    assert "code (ngram k=3" in line and "leave it off for chat, math" in line
+    few = advise({"cells": [cell("x", "ngram k=3", 3, 1.4, 1.4, 1.4, n=1)]})[0]
+    assert "tentative" in few.headline
+
+
+def test_batch_estimates_fall_as_the_verifier_turns_compute_bound():
+    c = cell("code", "ngram k=3", 3, 1.5, 1.3, 1.7)
+    flat = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0}
+    bound = {1: 10.0, 2: 10.5, 4: 11.0, 8: 14.0, 16: 25.0, 32: 50.0, 64: 100.0}
+    est_flat, est_bound = batch_estimates(c, flat), batch_estimates(c, bound)
+    assert est_flat[1] == pytest.approx(1.5) and est_bound[1] == pytest.approx(1.5)  # anchored on the measurement
+    assert est_flat[16] == pytest.approx(1.5)  # memory-bound at every size: the gain holds
+    assert est_bound[16] < est_bound[4] < est_bound[1] and est_bound[16] < 1.0
+    adv = advise({"cells": [c], "cost_curve": {"ms": {str(t): v for t, v in bound.items()}}})[0]
+    assert adv.batch_speedup == est_bound and "batch 16" in adv.text()
+
+
+def test_drift_flags_a_drafter_that_stopped_fitting():
+    old = [cell("code", "draft_model k=3", 3, 1.4, 1.2, 1.6, acc=0.9), cell("chat", "draft_model k=3", 3, 1.2, 1.1, 1.3, acc=0.8)]
+    new = [cell("code", "draft_model k=3", 3, 0.8, 0.7, 0.9, acc=0.3), cell("chat", "draft_model k=3", 3, 1.15, 1.0, 1.3, acc=0.5)]
+    flags = {f.category: f for f in compare(old, new)}
+    assert flags["code"].status == "stopped paying" and "WARNING" in flags["code"].message
+    assert flags["chat"].status == "acceptance fell"
+    assert compare(old, old)[0].status == "ok"
+
+
+def test_drift_on_a_perturbed_tiny_verifier():
+    """A drafter that is an exact copy of the old verifier: every draft token accepted; the
+    same drafter against a perturbed verifier: acceptance falls and the check flags it."""
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    acc = {}
+    for side, sigma in (("old", 0.0), ("new", 1.0)):
+        verifier = LLM(tiny_model(seed=0, num_hidden_layers=2))
+        if sigma:
+            perturb_(verifier.model, sigma, seed=1)
+        drafter = LLM(tiny_model(seed=0, num_hidden_layers=2))  # fitted to the old verifier
+        methods = make_methods(verifier, [SpeculativeConfig("draft_model", 3, draft_model=drafter)])
+        pairs = run_workload(verifier, methods, WORK[1], greedy)
+        acc[side] = [summarize_cell("mixed", m.label, 3, pairs[m.label], True) for m in methods]
+        assert all(c["identical"] for c in acc[side])  # lossless either way
+    assert acc["old"][0]["acceptance_rate"] == 1.0
+    flag = compare(acc["old"], acc["new"])[0]
+    assert flag.new_acceptance < 0.7 and flag.status in ("acceptance fell", "stopped paying")
+
+
+def test_perturb_refuses_integer_weights():
+    with pytest.raises(ValueError, match="int8"):
+        perturb_(tiny_model(seed=0, dtype="int8"), 0.1)
