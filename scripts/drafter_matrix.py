@@ -1,45 +1,55 @@
-"""Every training-free drafter x Spec-Bench's six subtasks + HumanEval, one process.
+"""Every training-free drafter x Spec-Bench's six subtasks + HumanEval, one process: a
+`forerun bench` run with a fixed list of drafters (the report, plots and verdicts land in --out).
 
-    .venv/bin/python scripts/drafter_matrix.py --limit 3 --max-new-tokens 64 --out matrix.json
+    .venv/bin/python scripts/drafter_matrix.py --limit 3 --max-new-tokens 64 --out matrix
     .venv/bin/python scripts/drafter_matrix.py --model qwen2.5-coder-1.5b --dtype int8 \
-        --draft-model qwen2.5-coder-0.5b --cross-draft-model smollm2-135m --out qwen-int8.json
+        --draft-model qwen2.5-coder-0.5b --cross-draft-model smollm2-135m --out qwen-int8
 
-Per cell: greedy identity, acceptance rate, mean accepted length, draft cost relative to
-one verifier forward, and speedup over forerun's plain decoding at the same precision
-(plain and speculative alternate per prompt, same process).
+Per cell: greedy identity, acceptance rate (and by position), tau beside its prediction,
+time split, and speedup over forerun's plain decoding at the same precision (plain and
+every drafter interleaved per prompt, same process). A drafter that cannot run on this
+verifier (quantized on an int8 verifier, layer_skip without a tune-skip profile) is
+reported and left out.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
-from forerun.bench.compare import run_pair, summarize
+from forerun.bench.bench import BenchRun, run_bench, save, workloads_from
+from forerun.bench.grid import make_methods
+from forerun.bench.report import write_reports
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.errors import ForerunError
 from forerun.llm import LLM
-from forerun.prompts import load_prompts
 
 SETS = ["spec_bench:mt_bench", "spec_bench:translation", "spec_bench:summarization", "spec_bench:qa",
         "spec_bench:math_reasoning", "spec_bench:rag", "humaneval"]
 
 
-def methods(args) -> dict[str, SpeculativeConfig]:
+def specs(args) -> list[SpeculativeConfig]:
     """Every training-free drafter; the draft model (and a cross-tokenizer one) when named."""
-    out = {
-        "ngram k=5": SpeculativeConfig("ngram", 5),
-        "ngram tree x3 k=5": SpeculativeConfig("ngram", 5, ngram_branches=3),
-        "layer_skip k=3": SpeculativeConfig("layer_skip", 3),
-        "early_exit@half k=3": SpeculativeConfig("early_exit", 3),
-        "quantized int8 k=4": SpeculativeConfig("quantized", 4),
-        "lookahead W5 N3 G4": SpeculativeConfig("lookahead", 5),
-    }
+    out = [SpeculativeConfig("ngram", 5), SpeculativeConfig("ngram", 5, ngram_branches=3),
+           SpeculativeConfig("layer_skip", 3), SpeculativeConfig("early_exit", 3),
+           SpeculativeConfig("quantized", 4), SpeculativeConfig("lookahead", 5)]
     if args.draft_model:
-        out["draft_model k=5"] = SpeculativeConfig("draft_model", 5, draft_model=args.draft_model, draft_dtype=args.draft_dtype)
+        out.append(SpeculativeConfig("draft_model", 5, draft_model=args.draft_model, draft_dtype=args.draft_dtype))
     if args.cross_draft_model:
-        out["cross-tokenizer k=4"] = SpeculativeConfig("draft_model", 4, draft_model=args.cross_draft_model,
-                                                       draft_dtype=args.draft_dtype)
+        out.append(SpeculativeConfig("draft_model", 4, draft_model=args.cross_draft_model, draft_dtype=args.draft_dtype))
     return out
+
+
+def runnable(llm: LLM, methods, ids: list[int]):
+    """The methods whose drafter builds and runs on this verifier; say why for the others."""
+    ok = []
+    for m in methods:
+        try:
+            m.llm.generate([ids[:16]], SamplingParams(temperature=0, max_tokens=2), speculative=m.spec)
+            ok.append(m)
+        except ForerunError as e:
+            print(f"{m.label}: left out: {e}", file=sys.stderr, flush=True)
+    return ok
 
 
 def main() -> int:
@@ -49,36 +59,24 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--model", default=None, help="verifier (default: the embedded SmolLM2-135M)")
     ap.add_argument("--draft-model", default=None, help="adds draft_model k=5 with this drafter")
-    ap.add_argument("--cross-draft-model", default=None, help="adds a cross-tokenizer draft model")
+    ap.add_argument("--cross-draft-model", default=None, help="adds a cross-tokenizer draft model (k=4)")
     ap.add_argument("--draft-dtype", default=None, help="drafters' precision (default: the verifier's)")
-    ap.add_argument("--methods", default=None, help="comma-separated subset of the method labels")
-    ap.add_argument("--out", default="matrix.json")
+    ap.add_argument("--methods", default=None, help="comma-separated subset of the drafter names (ngram, lookahead, ...)")
+    ap.add_argument("--out", default="matrix", help="report folder")
+    ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
     llm = LLM(model=args.model, dtype=args.dtype, progress=False)
-    params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
-    chosen = {k: v for k, v in methods(args).items() if not args.methods or k in args.methods.split(",")}
-    results = {}
-    for label, spec in chosen.items():
-        for s in SETS:
-            prompts = load_prompts(s, limit=args.limit)
-            try:
-                runs = [run_pair(llm, p, params, spec, spec_first=bool(i % 2)) for i, p in enumerate(prompts)]
-            except ForerunError as e:  # a drafter that cannot run on this verifier: say why, go on
-                results.setdefault(label, {})[s] = {"error": str(e)}
-                print(f"{label:22s} {s:28s} error: {e}", flush=True)
-                break
-            r = summarize(llm, runs, params, spec)
-            cell = {
-                "identical": r["identical"], "acceptance_rate": r["speculative"]["acceptance_rate"],
-                "tau": r["speculative"]["mean_accepted_length"], "speedup": r["speedup"],
-                "draft_cost": r["speculative"]["draft_cost_vs_verifier_forward"],
-                "plain_tok_s": r["autoregressive"]["tokens_per_s"], "spec_tok_s": r["speculative"]["tokens_per_s"],
-            }
-            results.setdefault(label, {})[s] = cell
-            print(f"{label:22s} {s:28s} ident={cell['identical']} acc={cell['acceptance_rate']:.2f} "
-                  f"tau={cell['tau']:.2f} cost={cell['draft_cost'] or 0:.2f} speedup={cell['speedup']:.2f}", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"dtype": args.dtype, "limit": args.limit, "max_new_tokens": args.max_new_tokens, "results": results}, f, indent=2)
+    chosen = [s for s in specs(args) if not args.methods or s.method in args.methods.split(",")]
+    workloads = workloads_from(llm, SETS, args.limit)
+    methods = runnable(llm, make_methods(llm, chosen), workloads[0].prompts[0][1])
+    meta = {"model": args.model or "smollm2-135m", "dtype": args.dtype, "prompts": ",".join(SETS), "limit": args.limit,
+            "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
+    run = BenchRun(llm, methods, workloads, SamplingParams(temperature=0, max_tokens=args.max_new_tokens), meta,
+                   Path(args.out), args.resume)
+    result = run_bench(run)
+    write_reports(result, run.out)
+    save(result, run.json_path)
+    print((run.out / "report.md").read_text())
     return 0
 
 

@@ -137,3 +137,22 @@ def test_drift_on_a_perturbed_tiny_verifier():
 def test_perturb_refuses_integer_weights():
     with pytest.raises(ValueError, match="int8"):
         perturb_(tiny_model(seed=0, dtype="int8"), 0.1)
+
+
+def test_cli_grid_options_and_advise(tmp_path, capsys):
+    from forerun.bench.commands import specs_from
+    from forerun.cli import build_parser, main
+
+    args = build_parser().parse_args(["bench", "--methods", "ngram,lookahead", "--k", "3,auto", "--out", str(tmp_path)])
+    specs = specs_from(args)
+    assert [(s.method, s.num_speculative_tokens) for s in specs] == [("ngram", 3), ("ngram", "auto"), ("lookahead", 3), ("lookahead", "auto")]
+    assert specs[1].options["k_max"] == 8
+    with pytest.raises(ForerunError, match="--k"):
+        specs_from(build_parser().parse_args(["bench", "--k", "0"]))
+    drift = build_parser().parse_args(["drift", "--drafter", "draft_model", "--new-model", "x", "--perturb", "0.2"])
+    assert drift.methods == "draft_model" and drift.perturb == 0.2
+    report = tmp_path / "bench.json"
+    report.write_text(json.dumps({"cells": [cell("code", "ngram k=3", 3, 1.4, 1.2, 1.6)]}))
+    assert main(["advise", str(report)]) == 0
+    assert "code: USE ngram k=3" in capsys.readouterr().out
+    assert main(["advise", str(tmp_path / "missing.json")]) == 2
