@@ -26,7 +26,7 @@ def kept_ids(vocab_size: int, keep: int, special_ids: set[int]) -> torch.Tensor:
 
 def float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The head's float weights [len(ids), hidden] for the kept rows, whatever its kind
-    (nn.Linear, forerun's float32 kernel linear, or its int8 linear: scale x int8 rows)."""
+    (nn.Linear, forerun's float32 kernel or int4 linear, or its int8 linear: scale x int8 rows)."""
     if hasattr(head, "weight_int8"):
         return head.weight_int8[ids].float() * head.weight_scale[ids, None]
     return head.weight.detach()[ids]
@@ -56,6 +56,10 @@ def _like(linear: nn.Linear, dtype: str) -> nn.Module:
         from forerun.models.quant import Int8Linear
 
         return Int8Linear(linear)
+    if dtype == "int4":
+        from forerun.models.quant4 import Int4Linear
+
+        return Int4Linear(linear)
     from forerun.models import int8_kernel
 
     kernel = int8_kernel.load() if dtype == "float32" else None

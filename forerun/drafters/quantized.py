@@ -1,8 +1,10 @@
-"""Quantized self-draft: an int8 copy of the verifier drafts for the float verifier.
+"""Quantized self-draft: a lower-bit copy of the verifier drafts for it.
 
 Same weights up to rounding, so acceptance is high; the copy is built at load time (no
 file, nothing to keep in sync) and drafts through the ordinary draft-model path with its
-own KV cache. Pointless, hence refused, when the verifier already runs at int8.
+own KV cache. `quant_bits` 8 gives an int8 copy (for a float verifier), 4 an int4 copy
+(4.5 bits a weight: for a float32 or int8 verifier). A copy at the verifier's own
+precision would be the verifier itself, and is refused.
 """
 from __future__ import annotations
 
@@ -12,27 +14,31 @@ from forerun.drafters.base import register
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ConfigError
 
+BITS_DTYPE = {8: "int8", 4: "int4"}
+
 
 def quantized_copy(model, bits: int = 8):
-    if bits == 4:
-        # Measured (torch 2.13, 2 CPU threads): torch's CPU int4 kernel took 2.7 ms for a
-        # 3072x576 one-token matmul vs 0.21 ms float32 and 0.16 ms int8 -- a slower drafter.
-        raise ConfigError("an int4 self-draft does not pay on the CPU (torch's int4 kernel is ~13x slower "
-                          "than float32 here); use quant_bits=8")
-    if bits != 8:
-        raise ConfigError(f"quantized self-draft supports 8-bit weights, not {bits}")
+    if bits not in BITS_DTYPE:
+        raise ConfigError(f"quantized self-draft supports quant_bits 8 (int8) or 4 (int4), not {bits}")
     if model.device.type != "cpu":
-        raise ConfigError("the int8 self-draft uses CPU kernels (fbgemm); on an accelerator use draft_dtype bfloat16 with draft_model")
-    from forerun.models.quant import to_int8_
+        raise ConfigError("the quantized self-draft uses CPU kernels; on an accelerator use draft_dtype bfloat16 with draft_model")
+    draft = copy.deepcopy(model)
+    if bits == 8:
+        from forerun.models.quant import to_int8_
 
-    draft = copy.deepcopy(model).float()
-    return to_int8_(draft).eval().requires_grad_(False)
+        return to_int8_(draft.float()).eval().requires_grad_(False)
+    from forerun.models.quant4 import to_int4_
+
+    try:
+        return to_int4_(draft.float()).eval().requires_grad_(False)
+    except RuntimeError as e:  # no compiled kernel here
+        raise ConfigError(str(e)) from None
 
 
 @register("quantized")
 def _make(spec, verifier, **_) -> DraftModelDrafter:
     bits = int(spec.quant_bits)
-    if verifier.dtype == "int8" and bits == 8:
-        raise ConfigError("the verifier already runs at int8: an int8 self-draft would be the verifier itself; "
-                          "use a float32 or bfloat16 verifier, or another method")
+    if verifier.dtype == BITS_DTYPE.get(bits) or (verifier.dtype == "int4" and bits == 8):
+        raise ConfigError(f"the verifier already runs at {verifier.dtype}: a {BITS_DTYPE.get(bits)} self-draft would be "
+                          "the verifier itself or dearer; use a float32 verifier (or int8 with quant_bits 4), or another method")
     return DraftModelDrafter(quantized_copy(verifier.model, bits), spec.tree_width)

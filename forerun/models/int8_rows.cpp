@@ -89,6 +89,28 @@ torch::Tensor rms_norm_rows(torch::Tensor x_in, torch::Tensor w, double eps) {
   return out;
 }
 
+// Step 0-2 of the numerics above for N rows of K floats: q [N, Kp] (padding left as it
+// is), row_max [N]. Shared with int4_rows.cpp, so both kernels see the same activation bytes.
+void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, float inv,
+                   int32_t zero, uint8_t* q, float* row_max) {
+  std::vector<float> normed(nw ? K : 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const float* r = xp + i * K;
+    if (nw) {
+      norm_row(r, nw, K, eps, normed.data());
+      r = normed.data();
+    }
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s = std::max(s, std::fabs(r[k]));
+    s = std::max(s, 1e-12f);
+    row_max[i] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(std::fma(r[k] / s, inv, static_cast<float>(zero)));  // fbgemm: fma, then round
+      q[i * Kp + k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
+    }
+  }
+}
+
 // x [..., K] float32; w_packed [Mp/16, Kp/4, 16, 4] int8; w_scale, colsum, bias (or empty) [M];
 // norm_w [K] or empty (no RMSNorm) -> [..., M] float32.
 torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
@@ -109,22 +131,7 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
   std::vector<uint8_t> q(N * Kp, 0);  // padding k: any value works (its weights are 0)
   std::vector<float> row_max(N);
-  std::vector<float> normed(nw ? K : 0);
-  for (int64_t i = 0; i < N; ++i) {
-    const float* r = xp + i * K;
-    if (nw) {
-      norm_row(r, nw, K, eps, normed.data());
-      r = normed.data();
-    }
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s = std::max(s, std::fabs(r[k]));
-    s = std::max(s, 1e-12f);
-    row_max[i] = s;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = std::nearbyint(std::fma(r[k] / s, inv, static_cast<float>(zero)));  // fbgemm: fma, then round
-      q[i * Kp + k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
-    }
-  }
+  quantize_rows(xp, N, K, Kp, nw, eps, inv, zero, q.data(), row_max.data());
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
   auto out = torch::empty(out_shape, x.options());
@@ -387,10 +394,14 @@ bool has_vnni() {
 }
 
 torch::Tensor f32_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, int64_t M);  // f32_rows.cpp
+torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
+                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero,
+                        int64_t M);  // int4_rows.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
   m.def("int8_rows", &int8_rows, "per-token int8 linear for a few rows");
+  m.def("int4_rows", &int4_rows, "per-token linear over 4-bit group-quantised weights, any number of rows");
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");

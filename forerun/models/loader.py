@@ -118,12 +118,19 @@ def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
     else:
         model.init_rope()
     model = model.to(device)
+    if dtype in ("int8", "int4") and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"dtype {dtype} is a CPU path; use bfloat16 on an accelerator")
     if dtype == "int8":
-        if torch.device(device).type != "cpu":
-            raise ModelLoadError("dtype int8 is a CPU path (fbgemm); use bfloat16 on an accelerator")
         from forerun.models.quant import to_int8_
 
         to_int8_(model)
+    elif dtype == "int4":
+        from forerun.models.quant4 import to_int4_
+
+        try:
+            to_int4_(model)
+        except RuntimeError as e:
+            raise ModelLoadError(str(e)) from None
     elif dtype == "float32" and torch.device(device).type == "cpu":
         from forerun.models import int8_kernel
         from forerun.models.f32_linear import use_f32_kernels_

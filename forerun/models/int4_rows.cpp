@@ -1,0 +1,203 @@
+// int4 linear: 4-bit weights in groups of 64 inputs (a scale and a minimum per group, as
+// GGUF's Q4_1 / Q4_K sub-blocks have), per-token uint8 activations (int8_rows.cpp's
+// quantize_rows: the same activation bytes as the int8 path), int32 dot products per group.
+//
+// Numerics, per token row x and output j (g: a group of 64 inputs):
+//   w[j, k] = d[j, g] * u[j, k] + m[j, g]      u in 0..15, d and m float16
+//   a[k]    = q[k] - zero  (in [-64, 64])       q: x / max|x| quantised as int8_rows does
+//   S_j     = sum over g, in order, of  fma(m[j,g], sa[g], fma(float(dp[j,g]), d[j,g], S))
+//             with dp[j,g] = sum_k a[k] u[j,k]  (exact int32) and sa[g] = sum_k a[k] (exact)
+//   y_j     = S_j * (x_scale * max|x|) + bias[j]
+// so S_j = sum_k a[k] w[j,k]. Every token runs this same instruction sequence
+// whatever its batch-mates, for any number of rows: one kernel serves decoding, verification
+// and prefill, and the int4 model is batch-invariant like the int8 one.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FORERUN_VNNI4 1
+#endif
+
+void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, float inv,
+                   int32_t zero, uint8_t* q, float* row_max);  // int8_rows.cpp
+
+// Packed weights (quant4.pack_int4): [Mp/16, G, 8, 64] bytes. Block b holds 16 outputs; in
+// group g, byte 4*l + j of vector i holds u[out l, k = 64g + 8i + j] in its low nibble and
+// u[out l, k = 64g + 8i + 4 + j] in its high nibble: each nibble plane is one VNNI operand
+// (16 outputs x 4 consecutive inputs). d, m: [Mp/16, G, 16] float16.
+constexpr int64_t OUT_BLOCK = 16, GROUP = 64, VECS = 8, MAX_TOKENS = 8;
+constexpr int CHUNK_BLOCKS = 2;  // output blocks sharing each token broadcast (M padded to 32)
+
+static inline float half_to_float(uint16_t h) {
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// out[(b * TB + t) * 16 + l] = S for output block b of the chunk (CHUNK_BLOCKS blocks of 16
+// outputs), token t (of TB) and lane l. Each 64-byte weight load serves every token of the
+// tile; each token's 4 activation bytes are broadcast once for all the chunk's blocks.
+// VNNI multiplies unsigned by signed bytes: the weights' nibbles are the unsigned side,
+// the activations a = q - zero (in [-64, 64]) the signed one.
+// Few tokens (SPLIT): low nibbles as v & 0x0F, high ones as v & 0xF0 = 16u into a second
+// accumulator, joined as lo + (hi >> 4) (one op less per load, twice the chains); many
+// tokens: (v >> 4) & 0x0F into the same accumulator (registers are short). Both give the
+// same exact int32 dot product, so the tile size never changes a bit.
+template <int TB, bool SPLIT>
+static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int64_t G, const uint8_t* w,
+                              const uint16_t* d, const uint16_t* m, float* out) {
+  constexpr int CB = CHUNK_BLOCKS;
+  const int64_t block_bytes = G * VECS * 64;
+#ifdef FORERUN_VNNI4
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512 facc[CB][TB];
+  for (int b = 0; b < CB; ++b)
+    for (int t = 0; t < TB; ++t) facc[b][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[CB][TB], acc2[CB][SPLIT ? TB : 1];
+    for (int b = 0; b < CB; ++b)
+      for (int t = 0; t < TB; ++t) {
+        acc[b][t] = _mm512_setzero_si512();
+        if constexpr (SPLIT) acc2[b][t] = _mm512_setzero_si512();
+      }
+    for (int i = 0; i < VECS; ++i) {
+      __m512i lo[CB], hi[CB];
+      for (int b = 0; b < CB; ++b) {
+        const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * VECS + i) * 64);
+        lo[b] = _mm512_and_si512(v, low);
+        hi[b] = SPLIT ? _mm512_and_si512(v, high) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int t = 0; t < TB; ++t) {
+        int32_t a0, a1;
+        std::memcpy(&a0, a + t * Kp + g * GROUP + 8 * i, 4);
+        std::memcpy(&a1, a + t * Kp + g * GROUP + 8 * i + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(a0), x1 = _mm512_set1_epi32(a1);
+        for (int b = 0; b < CB; ++b) {
+          acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], lo[b], x0);
+          if constexpr (SPLIT) acc2[b][t] = _mm512_dpbusd_epi32(acc2[b][t], hi[b], x1);
+          else acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], hi[b], x1);
+        }
+      }
+    }
+    for (int b = 0; b < CB; ++b) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (b * G + g) * OUT_BLOCK)));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + (b * G + g) * OUT_BLOCK)));
+      for (int t = 0; t < TB; ++t) {
+        __m512i dp = acc[b][t];
+        if constexpr (SPLIT) dp = _mm512_add_epi32(dp, _mm512_srai_epi32(acc2[b][t], 4));  // exact: 16 | acc2
+        facc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), dv, facc[b][t]);
+        facc[b][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sa[t * G + g]), facc[b][t]);
+      }
+    }
+  }
+  for (int b = 0; b < CB; ++b)
+    for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + (b * TB + t) * OUT_BLOCK, facc[b][t]);
+#else
+  for (int b = 0; b < CB; ++b)
+    for (int t = 0; t < TB; ++t)
+      for (int l = 0; l < OUT_BLOCK; ++l) {
+        const uint8_t* wb = w + b * block_bytes;
+        float s = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t dp = 0;
+          for (int i = 0; i < VECS; ++i)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = wb[(g * VECS + i) * 64 + 4 * l + j];
+              dp += int32_t(a[t * Kp + g * GROUP + 8 * i + j]) * int32_t(byte & 0x0F);
+              dp += int32_t(a[t * Kp + g * GROUP + 8 * i + 4 + j]) * int32_t(byte >> 4);
+            }
+          s = std::fma(static_cast<float>(dp), half_to_float(d[(b * G + g) * OUT_BLOCK + l]), s);
+          s = std::fma(half_to_float(m[(b * G + g) * OUT_BLOCK + l]), sa[t * G + g], s);
+        }
+        out[(b * TB + t) * OUT_BLOCK + l] = s;
+      }
+#endif
+}
+
+// x [..., K] float32; w [Mp/16, G, 8, 64] uint8; d, m [Mp/16, G, 16] float16;
+// bias [M] or empty; norm_w [K] or empty (an RMSNorm folded in first) -> [..., M] float32.
+torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
+                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero,
+                        int64_t M) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "x: float32 [..., K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == VECS &&
+              w.size(3) == 64 && w.size(0) % CHUNK_BLOCKS == 0, "w: packed uint8 [Mp/16, G, 8, 64], Mp % 32 == 0");
+  const int64_t blocks = w.size(0), G = w.size(1), Kp = G * GROUP;
+  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && m.scalar_type() == torch::kFloat16 && d.is_contiguous() &&
+              m.is_contiguous() && d.numel() == blocks * G * OUT_BLOCK && m.numel() == d.numel(),
+              "d, m: float16 [Mp/16, G, 16]");
+  TORCH_CHECK(M <= blocks * OUT_BLOCK, "M: more outputs than packed");
+  const auto x = x_in.contiguous();
+  const int64_t K = x.size(-1), N = x.numel() / K;
+  TORCH_CHECK(Kp >= K && Kp < K + GROUP, "packed weight does not fit x");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == M, "bias: [M] or empty");
+  TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
+  const float xs = static_cast<float>(x_scale);
+  const int32_t zero = static_cast<int32_t>(x_zero);
+  // Rows are scaled into [-1, 1], so |q - zero| <= 1 / x_scale + 1: it must fit a signed byte.
+  TORCH_CHECK(1.0 / x_scale + 1.0 <= 127.0, "x_scale too fine: q - zero would not fit int8");
+  std::vector<uint8_t> q(N * Kp, static_cast<uint8_t>(zero));  // padding: a = 0 there
+  std::vector<float> row_max(N), sa(N * G);
+  quantize_rows(x.data_ptr<float>(), N, K, Kp, norm_w.numel() ? norm_w.data_ptr<float>() : nullptr, eps, 1.0f / xs,
+                zero, q.data(), row_max.data());
+  std::vector<int8_t> act(N * Kp);  // a = q - zero
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t s = 0;
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+        act[i * Kp + k] = static_cast<int8_t>(int32_t(q[i * Kp + k]) - zero);
+        s += act[i * Kp + k];
+      }
+      sa[i * G + g] = static_cast<float>(s);
+    }
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = M;
+  auto out = torch::empty(out_shape, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const int64_t chunks = blocks / CHUNK_BLOCKS;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    float acc[CHUNK_BLOCKS * MAX_TOKENS * OUT_BLOCK];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b0 = c * CHUNK_BLOCKS;
+      const uint8_t* wc = wp + b0 * G * VECS * 64;
+      const uint16_t *dc = dp + b0 * G * OUT_BLOCK, *mc = mp + b0 * G * OUT_BLOCK;
+      for (int64_t t0 = 0; t0 < N; t0 += MAX_TOKENS) {
+        const int TB = static_cast<int>(std::min<int64_t>(MAX_TOKENS, N - t0));
+        const int8_t* qt = act.data() + t0 * Kp;
+        const float* st = sa.data() + t0 * G;
+        switch (TB) {
+          case 1: chunk_dots<1, true>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 2: chunk_dots<2, true>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 3: chunk_dots<3, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 4: chunk_dots<4, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 5: chunk_dots<5, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 6: chunk_dots<6, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 7: chunk_dots<7, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          default: chunk_dots<8, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
+        }
+        for (int b = 0; b < CHUNK_BLOCKS; ++b) {
+          const int64_t j0 = (b0 + b) * OUT_BLOCK, n = std::min<int64_t>(OUT_BLOCK, M - j0);
+          for (int t = 0; n > 0 && t < TB; ++t) {
+            const float scale = xs * row_max[t0 + t];
+            const float* a = acc + (b * TB + t) * OUT_BLOCK;
+            float* dst = op + (t0 + t) * M + j0;
+            for (int64_t l = 0; l < n; ++l) {
+              const float y = a[l] * scale;
+              dst[l] = bp ? y + bp[j0 + l] : y;
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}

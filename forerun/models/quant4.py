@@ -1,0 +1,167 @@
+"""int4 linears for the CPU: 4-bit weights in groups of 64 inputs, per-token activations.
+
+Why: a decode step streams every weight once, so on a memory-bound CPU its cost follows
+the bytes per weight. int4 here is 4.5 bits (a float16 scale and minimum per 64 weights,
+the budget of GGUF's Q4_K), against 8 for int8: the drafter and the verifier both get
+cheaper, and the drafter's cost is what decides whether speculation pays.
+
+Weights: per output row j and group g of 64 inputs, w = d * u + m with u in 0..15,
+m = the group's minimum and d = (max - min) / 15, both rounded to float16 first and u
+chosen against the rounded values. A Q4_K / Q4_1 GGUF tensor (dequantised on load) is
+already on such a grid, so re-quantising it loses little; a Q6_K or float tensor loses
+what 4 bits lose.
+
+Activations and kernel: int4_rows.cpp. Each token is quantised on its own (the int8
+path's bytes) and computed by the same instruction sequence for any number of tokens, so
+one kernel serves every size and int4 speculative decoding reproduces int4 plain decoding
+bit for bit (tests/test_int4.py). There is no fallback: without the compiled kernel,
+int4 is refused at load time with the reason.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from forerun.models import int8_kernel
+from forerun.models.quant import activation_qparams
+
+GROUP = 64  # inputs per scale / minimum
+
+
+def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[M, K] float -> u [M, Kp] uint8 in 0..15, d and m [M, Kp/64] float16 (K padded with
+    zero weights up to Kp, a multiple of 64: u = 0, and d = m = 0 for an all-padding group)."""
+    M, K = w.shape
+    Kp = -(-K // GROUP) * GROUP
+    wp = torch.zeros(M, Kp, dtype=torch.float32)
+    wp[:, :K] = w.float()
+    groups = wp.view(M, Kp // GROUP, GROUP)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    if Kp > K:  # the last group's padding must not widen its range
+        real = K - (Kp // GROUP - 1) * GROUP
+        tail = wp[:, Kp - GROUP : Kp - GROUP + real]
+        lo[:, -1], hi[:, -1] = tail.amin(dim=1), tail.amax(dim=1)
+    m = lo.half()
+    d = ((hi - m.float()) / 15).half()
+    step = d.float().unsqueeze(2)
+    u = torch.where(step > 0, (groups - m.float().unsqueeze(2)) / step.clamp_min(1e-30), torch.zeros_like(groups))
+    u = u.round_().clamp_(0, 15).to(torch.uint8).view(M, Kp)
+    if Kp > K:
+        u[:, K:] = 0
+    return u, d, m
+
+
+def dequantize_groups(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, K: int) -> torch.Tensor:
+    """The weights int4 computes with: [M, K] float32 (for references and reduced heads)."""
+    M, Kp = u.shape
+    w = u.view(M, Kp // GROUP, GROUP).float() * d.float().unsqueeze(2) + m.float().unsqueeze(2)
+    return w.view(M, Kp)[:, :K].contiguous()  # (padding inputs: u = 0 there, but m may not be)
+
+
+def pack_int4(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """-> (w [Mp/16, G, 8, 64] uint8, d and m [Mp/16, G, 16] float16), the
+    layout int4_rows.cpp reads (Mp: M up to a multiple of 32, the kernel's 2-block chunks; zero rows). Byte 4l + j of
+    vector i of group g: u[l, 64g + 8i + j] in the low nibble, u[l, 64g + 8i + 4 + j] high."""
+    M, Kp = u.shape
+    G, Mp = Kp // GROUP, -(-M // 32) * 32
+    up = torch.zeros(Mp, Kp, dtype=torch.uint8)
+    up[:M] = u
+    dp, mp = torch.zeros(Mp, G, dtype=torch.float16), torch.zeros(Mp, G, dtype=torch.float16)
+    dp[:M], mp[:M] = d, m
+    quads = up.view(Mp // 16, 16, G, 8, 2, 4)  # [block, lane, group, vector, half, j]
+    packed = quads[:, :, :, :, 0] | (quads[:, :, :, :, 1] << 4)  # [block, lane, group, vector, j]
+    w = packed.permute(0, 2, 3, 1, 4).contiguous().view(Mp // 16, G, 8, 64)
+    blocked = lambda t: t.view(Mp // 16, 16, G).transpose(1, 2).contiguous()  # noqa: E731
+    return w, blocked(dp), blocked(mp)
+
+
+class Int4Linear(nn.Module):
+    """nn.Linear's function at 4.5 bits a weight, through forerun's compiled kernel."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        u, d, m = quantize_groups(linear.weight.detach().float())
+        self.register_buffer("weight_u4", u, persistent=False)  # [out, Kp] 0..15 (kept for copies / heads)
+        self.register_buffer("weight_d", d, persistent=False)  # [out, Kp/64]
+        self.register_buffer("weight_m", m, persistent=False)  # [out, Kp/64]
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.pre_norm = None  # an RMSNorm run first (see absorb_norm)
+        self._build()
+
+    def _build(self):
+        kernel = int8_kernel.load()
+        if kernel is None:
+            raise RuntimeError("int4 needs forerun's compiled kernel, which could not be built here "
+                               "(see the warning above); use int8 or float32")
+        self._rows = kernel.int4_rows
+        self._packed = pack_int4(self.weight_u4, self.weight_d, self.weight_m)
+        self._set_args()
+
+    def _set_args(self):
+        empty = torch.empty(0)
+        bias = self.bias.data if self.bias is not None else empty
+        norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
+        scale, zero = activation_qparams()
+        self._args = (*self._packed, bias, norm_w, eps, scale, zero, self.out_features)
+
+    def __getstate__(self):  # deepcopy / pickle: drop the kernel handle and packing...
+        return {**self.__dict__, "_rows": None, "_packed": None, "_args": None}
+
+    def __setstate__(self, state):  # ...and rebuild them from the 4-bit weights
+        super().__setstate__(state)
+        self._build()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in] float32: the weights this linear computes with (a copy)."""
+        return dequantize_groups(self.weight_u4, self.weight_d, self.weight_m, self.in_features)
+
+    def absorb_norm(self, norm: nn.Module) -> bool:
+        """As Int8Linear.absorb_norm: linear(norm(x)) in one kernel call."""
+        if type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32:
+            return False
+        self.pre_norm = norm
+        self._set_args()
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = self._rows(x if dtype == torch.float32 else x.float(), *self._args)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, 4-bit weights in groups of {GROUP}, forerun kernel"
+
+
+def to_int4_(model: nn.Module) -> nn.Module:
+    """The int4 model: every linear (the LM head included) 4-bit, then the model's own kernel
+    wiring where it has one (norms folded into the linears they feed, per-query attention)."""
+    _swap(model)
+    if hasattr(model, "use_int8_kernels"):
+        model.use_int8_kernels(int8_kernel.load())
+    return model
+
+
+def _swap(module: nn.Module) -> None:
+    from forerun.models.f32_linear import F32RowsLinear
+    from forerun.models.quant import Int8Linear
+
+    for name, child in module.named_children():
+        if isinstance(child, (nn.Linear, F32RowsLinear)):
+            setattr(module, name, Int4Linear(child))
+        elif isinstance(child, Int8Linear):  # an int4 copy of an int8 model: from its dequantised weights
+            setattr(module, name, Int4Linear(_as_linear(child)))
+            if child.pre_norm is not None:  # (the layer's own norm call is gone: keep it here)
+                getattr(module, name).absorb_norm(child.pre_norm)
+        else:
+            _swap(child)
+
+
+def _as_linear(q) -> nn.Linear:
+    """An Int8Linear's function as a float nn.Linear (scale x int8 rows; norms folded later)."""
+    lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device="meta")
+    lin.weight = nn.Parameter(q.weight_int8.float() * q.weight_scale[:, None], requires_grad=False)
+    if q.bias is not None:
+        lin.bias = nn.Parameter(q.bias.detach().clone(), requires_grad=False)
+    return lin

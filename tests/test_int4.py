@@ -1,0 +1,135 @@
+"""int4 (4-bit weights in groups of 64, per-token int8 activations): the kernel computes
+the documented function, a token's bits never depend on its batch-mates, and so int4
+speculative decoding emits exactly what int4 plain decoding emits."""
+import pytest
+import torch
+
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.llm import LLM
+from forerun.metrics import merge
+from forerun.models import int8_kernel
+from forerun.models.quant import activation_qparams
+from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="int4 needs the compiled kernels")
+
+from forerun.models.quant4 import GROUP, Int4Linear, dequantize_groups, quantize_groups  # noqa: E402
+
+
+def reference(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 of the documented function: per-token quantised activations x dequantised weights."""
+    if lin.pre_norm is not None:
+        x = lin.pre_norm(x)
+    scale, zero = activation_qparams()
+    row_max = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    a = torch.clamp(torch.round(torch.addcmul(torch.full_like(x, float(zero)), x / row_max, torch.full_like(x, 1 / scale))), 0, 255) - zero
+    y = (a.double() @ lin.weight.double().T) * scale * row_max.double()
+    return y if lin.bias is None else y + lin.bias.double()
+
+
+@pytest.mark.parametrize("out_f,in_f,bias", [(48, 64, True), (37, 100, False), (300, 200, True), (33, 896, False)])
+def test_the_kernel_computes_the_documented_function(out_f, in_f, bias):
+    torch.manual_seed(out_f)
+    lin = Int4Linear(torch.nn.Linear(in_f, out_f, bias=bias))
+    x = torch.randn(11, in_f) * 3
+    y = lin(x)
+    ref = reference(lin, x)
+    assert y.shape == (11, out_f)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_rows_get_the_same_bits_alone_and_in_any_batch():
+    torch.manual_seed(0)
+    lin = Int4Linear(torch.nn.Linear(200, 70))
+    x = torch.randn(21, 200)
+    together = lin(x)
+    for i in range(21):
+        assert torch.equal(lin(x[i : i + 1]), together[i : i + 1])
+    for a, b in [(0, 3), (2, 9), (5, 21), (1, 17)]:  # every tile size of the kernel, and ragged tails
+        assert torch.equal(lin(x[a:b]), together[a:b])
+    assert torch.equal(lin(x.view(3, 7, 200)).view(21, 70), together)
+
+
+def test_weights_already_on_a_4_bit_grid_come_back_exactly():
+    """A Q4_1 / Q4_K-style tensor (w = d u + m per 64 inputs, d and m float16) is recovered."""
+    torch.manual_seed(1)
+    M, K = 8, 3 * GROUP
+    u = torch.randint(0, 16, (M, K))
+    u[:, 0], u[:, GROUP], u[:, 2 * GROUP] = 0, 0, 0  # each group spans the whole grid...
+    u[:, 1], u[:, GROUP + 1], u[:, 2 * GROUP + 1] = 15, 15, 15
+    d = (torch.rand(M, 3) * 0.01 + 0.001).half()
+    m = (-torch.rand(M, 3) * 0.1).half()
+    w = dequantize_groups(u.to(torch.uint8), d, m, K)
+    u2, d2, m2 = quantize_groups(w)
+    assert torch.equal(dequantize_groups(u2, d2, m2, K), w)
+
+
+def test_padding_does_not_widen_the_last_group():
+    w = torch.linspace(0.5, 1.0, 70).repeat(2, 1)  # 70 inputs: the last group has 6 real ones
+    u, d, m = quantize_groups(w)
+    assert u.shape == (2, 128) and torch.all(u[:, 70:] == 0)
+    assert (dequantize_groups(u, d, m, 70) - w).abs().max() < 0.5 * d.float().max()
+
+
+def test_an_absorbed_norm_is_applied_first():
+    from forerun.models.llama import RMSNorm
+
+    torch.manual_seed(2)
+    lin = Int4Linear(torch.nn.Linear(64, 32))
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(5, 64) * 4
+    assert lin.absorb_norm(norm)
+    assert (lin(x).double() - reference(lin, x)).abs().max() <= 1e-5 * reference(lin, x).abs().max()
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module", params=[0, 1])
+def verifier(request):
+    return LLM(tiny_model(seed=request.param, dtype="int4", hidden_size=64, intermediate_size=128), dtype="int4")
+
+
+@pytest.fixture(scope="module")
+def plain(verifier):
+    return [o.token_ids for o in verifier.generate(PROMPTS, GREEDY, speculative=None)]
+
+
+def test_the_int4_model_uses_the_kernels(verifier):
+    layer = verifier.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(verifier.model.lm_head, Int4Linear)
+    assert layer.self_attn.prefix_attention is not None and layer.self_attn.qkv_proj.pre_norm is not None
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "quantized"])
+def test_int4_speculative_equals_int4_plain(verifier, plain, method):
+    if method == "ngram":
+        spec = SpeculativeConfig("ngram", 4, ngram_max=3)
+    elif method == "draft_model":  # an unrelated random int4 drafter: many partial accepts
+        drafter = LLM(tiny_model(seed=3, dtype="int4", hidden_size=64, intermediate_size=128), dtype="int4")
+        spec = SpeculativeConfig("draft_model", 4, draft_model=drafter)
+    else:
+        with pytest.raises(Exception, match="int4"):  # the verifier's own int4 copy would be itself
+            verifier.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig("quantized", 4, quant_bits=4))
+        return
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    assert merge([o.stats for o in outs]).drafted > 0
+
+
+def test_int4_batched_equals_one_by_one_with_long_prompts(verifier):
+    prompts = [[(7 * i + j) % 30 + 1 for j in range(3 + 9 * i)] for i in range(9)]  # up to 75 tokens
+    params = SamplingParams(temperature=0, max_tokens=10)
+    alone = [verifier.generate([p], params, speculative=None)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in verifier.generate(prompts, params, speculative=SpeculativeConfig("ngram", 3))]
+    assert together == alone
+
+
+def test_a_float32_verifier_with_an_int4_self_draft_is_exact():
+    verifier = LLM(tiny_model(seed=4, dtype="float32", hidden_size=64, intermediate_size=128), dtype="float32")
+    plain = [o.token_ids for o in verifier.generate(PROMPTS, GREEDY, speculative=None)]
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig("quantized", 4, quant_bits=4))
+    assert [o.token_ids for o in outs] == plain
+    assert merge([o.stats for o in outs]).accepted > 0
