@@ -20,7 +20,7 @@ FIXED_TEXT = (
 
 
 MODELS = "model folder, .gguf file, hub id, or embedded name: smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b"
-DTYPES = ["float32", "bfloat16", "int8"]
+DTYPES = ["float32", "bfloat16", "int8", "int4"]
 PROMPT_SETS = ("spec_bench[:mt_bench|translation|summarization|qa|math_reasoning|rag], humaneval, svamp, vicuna, "
                "or a .jsonl path; read from --data-dir, else $FORERUN_DATA_DIR, else ../shared/data/prompts")
 
@@ -57,6 +57,7 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--tree-width", type=int, default=1, help="draft_model: candidates at the first position (a tree)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
+    p.add_argument("--quant-bits", type=int, default=8, choices=[8, 4], help="quantized: the self-draft's weight bits (int8 or int4)")
     p.add_argument("--lookahead-window", type=int, default=5, help="lookahead: Jacobi window (guesses per step)")
     p.add_argument("--lookahead-ngram", type=int, default=3, help="lookahead: n-gram size gathered from the iterations")
     p.add_argument("--lookahead-pool", type=int, default=4, help="lookahead: pool candidates verified per step")
@@ -166,7 +167,7 @@ def _configs(args):
         method=method, num_speculative_tokens=args.k, draft_model=args.draft_model, draft_dtype=args.draft_dtype,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_branches=args.ngram_branches,
         tree_width=args.tree_width, skip_layers=_int_list(args.skip_layers), exit_layer=args.exit_layer,
-        lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
+        quant_bits=args.quant_bits, lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
         lookahead_pool=args.lookahead_pool,
         options={**({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
