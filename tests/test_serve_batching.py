@@ -95,11 +95,31 @@ def test_a_full_queue_refuses_and_nothing_leaks():
     assert sched.blocks.used == 0
 
 
-def test_batch_aware_k_never_exceeds_the_request_and_turns_off_when_compute_bound():
-    from forerun.serve.batch_k import CostModel, batch_k
+def test_batch_aware_k_settles_on_the_faster_choice_per_batch_size():
+    from forerun.serve.batch_k import BatchK
 
-    flat = CostModel({1: 1.0, 64: 1.0})
-    linear = CostModel({1: 1.0, 2: 2.0})  # compute-bound from the first token
-    assert batch_k(0.8, 8, 5, flat, 0.0) == 5
-    assert batch_k(0.99, 1, 5, linear, 0.0) == 0  # scoring twice the tokens costs twice: never pays
-    assert batch_k(0.0, 1, 5, flat, 0.0) == 0  # nothing accepted: no reason to draft
+    ctl = BatchK(k_max=5, explore_every=10)
+    rate = {1: {0: 50, 1: 70, 2: 80, 4: 90, 5: 85}, 8: {0: 200, 1: 180, 2: 150, 4: 120, 5: 100}}  # tokens/s
+    picks = {1: [], 8: []}
+    for _ in range(200):
+        for b in (1, 8):
+            k = ctl.choose(b)
+            ctl.record(b, k, tokens=rate[b][k] * 0.05, seconds=0.05)
+            picks[b].append(k)
+    assert max(set(picks[1][-50:]), key=picks[1][-50:].count) == 4  # one sequence: speculation pays
+    assert picks[8][-50:].count(0) >= 45  # a full batch: plain decoding, exploring 1 step in 10
+    assert ctl.bucket(5) == ctl.bucket(8) == 8 and ctl.bucket(1) == 1
+
+
+def test_a_batch_aware_server_stays_exact():
+    llm = tiny_llm()
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone = [llm.generate([p], greedy, speculative=None)[0].token_ids for p in PROMPTS]
+    sched = Scheduler(llm, SpeculativeConfig("ngram", 4, ngram_min=1), ServeConfig(max_batch=4, max_len=256, batch_aware=True)).start()
+    try:
+        sinks = [submit(sched, p, 4, greedy) for p in PROMPTS]
+        assert all(s.done.wait(60) for s in sinks)
+    finally:
+        sched.stop()
+    assert [s.last.token_ids for s in sinks] == alone
+    assert sched.batch_k.table()  # it measured something

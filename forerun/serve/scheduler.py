@@ -23,7 +23,7 @@ from forerun import engine
 from forerun.config import SpeculativeConfig
 from forerun.errors import ForerunError
 from forerun.sampling import make_generator
-from forerun.serve.batch_k import CostModel
+from forerun.serve.batch_k import BatchK
 from forerun.serve.blocks import BlockAllocator, BlockTable
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.step import Live, step_all
@@ -41,7 +41,7 @@ class ServeConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # None: enough for every row at max_len
     max_queue: int = 64  # waiting requests beyond which submit() raises QueueFull
-    batch_aware: bool = True  # lower k (to 0) as the batch grows, from the cost model
+    batch_aware: bool = True  # pick k (0 included) per batch size from measured throughput
 
 
 class Scheduler:
@@ -57,12 +57,11 @@ class Scheduler:
         self.blocks = BlockAllocator(cfg.num_blocks or cfg.max_batch * per_row, cfg.block_size)
         if self.drafter is not None:
             self.drafter.start(cfg.max_batch, self.capacity, self.cache)
-        self.cost = CostModel.measure(self.model, cfg.max_batch * (self.k_max + 1)) if self.spec and cfg.batch_aware else None
+        self.batch_k = BatchK(self.k_max) if self.spec and cfg.batch_aware else None
         self.eos_ids = llm._eos_ids()
         self.free_rows = list(range(cfg.max_batch - 1, -1, -1))
         self.waiting: collections.deque[ServeRequest] = collections.deque()
         self.running: dict[int, Live] = {}  # row -> live sequence
-        self.alpha = 0.5  # running per-token acceptance (batch-aware k)
         self.generator = make_generator(None, self.model.device)  # unseeded sampling
         self._cv = threading.Condition()
         self._stop = False
@@ -144,10 +143,11 @@ class Scheduler:
     def _step(self) -> None:
         t0 = time.perf_counter()
         lives = list(self.running.values())
-        drafted, accepted = step_all(self, lives)
+        before = sum(len(lv.seq.generated) for lv in lives)
+        drafted, accepted, k = step_all(self, lives)
         dt = time.perf_counter() - t0
-        if drafted:
-            self.alpha = 0.9 * self.alpha + 0.1 * (accepted / drafted)
+        if self.batch_k is not None and k is not None:
+            self.batch_k.record(len(lives), k, sum(len(lv.seq.generated) for lv in lives) - before, dt)
         for lv in lives:
             lv.seq.stats.decode_time = time.perf_counter() - lv.t_admit - lv.seq.stats.prefill_time
             if lv.seq.finish_reason is not None:

@@ -14,7 +14,6 @@ import torch
 
 from forerun import engine
 from forerun.sampling import make_generator
-from forerun.serve.batch_k import batch_k
 from forerun.serve.blocks import BlockTable
 from forerun.serve.request import Event, ServeRequest
 from forerun.streaming import TextStream, stop_index
@@ -55,9 +54,10 @@ def group_key(lv: Live) -> tuple:
     return ("sampled", p.temperature, p.top_p, p.top_k, p.ignore_eos)
 
 
-def step_all(sched, lives: list[Live]) -> tuple[int, int]:
-    """Advance every live row once; returns (tokens drafted, tokens accepted) this step."""
-    ks = _plan_k(sched, lives)
+def step_all(sched, lives: list[Live]) -> tuple[int, int, int | None]:
+    """Advance every live row once; returns (tokens drafted, tokens accepted, the batch's k
+    when the batch-aware choice was what bounded it, else None) for this step."""
+    ks, k_cap = _plan_k(sched, lives)
     groups: dict[tuple, list[Live]] = {}
     for lv in lives:
         if lv.seq.row in ks:
@@ -67,15 +67,17 @@ def step_all(sched, lives: list[Live]) -> tuple[int, int]:
         _step_group(sched, group, RowK({lv.seq.row: ks[lv.seq.row] for lv in group}))
     drafted = sum(lv.seq.stats.drafted - before[lv.seq.row][0] for lv in lives)
     accepted = sum(lv.seq.stats.accepted - before[lv.seq.row][1] for lv in lives)
-    return drafted, accepted
+    chosen = k_cap if ks and max(ks.values()) == k_cap else None  # not a request's own cap
+    return drafted, accepted, chosen
 
 
-def _plan_k(sched, lives: list[Live]) -> dict[int, int]:
-    """k per row for this step, with KV blocks reserved for what the step may write; a row
-    whose next token finds no block fails (and leaves), one without room to draft drafts 0."""
+def _plan_k(sched, lives: list[Live]) -> tuple[dict[int, int], int]:
+    """k per row for this step (and the batch's cap), with KV blocks reserved for what the
+    step may write; a row whose next token finds no block fails (and leaves), one without
+    room to draft drafts 0."""
     k_cap = max((lv.req.k for lv in lives), default=0) if sched.drafter is not None else 0
-    if k_cap and sched.cost is not None:
-        k_cap = batch_k(sched.alpha, len(lives), k_cap, sched.cost, draft=0.0)
+    if k_cap and sched.batch_k is not None:
+        k_cap = min(k_cap, sched.batch_k.choose(len(lives)))
     nodes = getattr(sched.drafter, "max_draft_nodes", lambda k: k)
     ks = {}
     for lv in lives:
@@ -87,7 +89,7 @@ def _plan_k(sched, lives: list[Live]) -> dict[int, int]:
                 sched._finish(lv, Event(error="KV cache blocks exhausted"))
                 continue
         ks[lv.seq.row] = k
-    return ks
+    return ks, k_cap
 
 
 def _step_group(sched, group: list[Live], row_k: RowK) -> None:
