@@ -2,10 +2,10 @@
 which method, which k) with the measured evidence, and an estimate for other batch sizes.
 
 Verdict rules, per workload, over its cells:
-  - the best cell by speedup is recommended when its 95% interval is above 1 ("use");
-  - a best cell whose interval straddles 1 is "no measurable gain" (don't use: no proof it pays);
-  - otherwise every method is slower ("don't use").
-  When an adaptive (k = auto) cell is within 5% of the best and not slower, it is named as
+  - among the cells whose 95% interval is above 1, the fastest is recommended ("use");
+  - with none, a best cell whose interval straddles 1 is "no measurable gain" (don't use:
+    nothing shows it pays), and otherwise every method is slower ("don't use").
+  When an adaptive (k = auto) cell is also above 1 and within 5% of the best, it is named as
   the choice that keeps paying when the traffic shifts.
 
 Batch sizes, from the verifier's cost curve ms(T) (one forward scoring T tokens) and the
@@ -56,7 +56,8 @@ def advise(result: dict) -> list[Advice]:
 
 
 def _one(category: str, cells: list[dict], curve: dict[int, float] | None) -> Advice:
-    best = max(cells, key=lambda c: c["speedup"])
+    proven = [c for c in cells if c["speedup_ci95"][0] > 1.0]  # interval above 1: a measured gain
+    best = max(proven or cells, key=lambda c: c["speedup"])
     low, high = best["speedup_ci95"]
     ev = [_evidence(best)]
     if low > 1.0:
@@ -89,7 +90,7 @@ def _evidence(c: dict) -> str:
 
 
 def _auto_alternative(cells: list[dict], best: dict) -> dict | None:
-    autos = [c for c in cells if c["k"] == "auto" and c["speedup_ci95"][1] >= 1.0]
+    autos = [c for c in cells if c["k"] == "auto" and c["speedup_ci95"][0] > 1.0]
     auto = max(autos, key=lambda c: c["speedup"], default=None)
     return auto if auto is not None and auto is not best and auto["speedup"] >= 0.95 * best["speedup"] else None
 
@@ -138,9 +139,15 @@ def interp(curve: dict[int, float], t: float) -> float:
 
 
 def _curve(raw) -> dict[int, float] | None:
+    """The measured curve made non-decreasing (scoring more tokens never costs less: a dip
+    is timing noise, and would read as a gain from batching)."""
     if not raw or not raw.get("ms"):
         return None
-    return {int(t): float(ms) for t, ms in raw["ms"].items()}
+    curve, top = {}, 0.0
+    for t, ms in sorted((int(t), float(ms)) for t, ms in raw["ms"].items()):
+        top = max(top, ms)
+        curve[t] = top
+    return curve
 
 
 def summary_line(advice: list[Advice]) -> str:

@@ -156,3 +156,21 @@ def test_cli_grid_options_and_advise(tmp_path, capsys):
     assert main(["advise", str(report)]) == 0
     assert "code: USE ngram k=3" in capsys.readouterr().out
     assert main(["advise", str(tmp_path / "missing.json")]) == 2
+
+
+def test_peers_that_cannot_run_are_skipped_with_the_reason(monkeypatch):
+    from forerun.bench.peers import LLAMA_ENV, PeerSetup, run_peers
+
+    monkeypatch.delenv(LLAMA_ENV, raising=False)
+    verifier = LLM(tiny_model(seed=0, num_hidden_layers=2))
+    setup = PeerSetup([[1, 2, 3, 1, 2]], [""], 8, 3)
+    peers = run_peers(verifier, ["transformers", "llama.cpp"], setup)
+    assert [r["engine"] for r in peers["rows"]] == ["forerun plain"] and "tokens" not in peers["rows"][0]
+    assert any("transformers" in s and "model folder" in s for s in peers["skipped"])
+    assert any("llama-bench" in s and "cmake" in s for s in peers["skipped"])
+
+
+def test_advisor_prefers_a_proven_gain_over_a_wider_higher_point():
+    cells = [cell("s", "ngram k=5", 5, 1.27, 1.20, 1.38), cell("s", "ngram k=auto", "auto", 1.28, 0.97, 1.68)]
+    a = advise({"cells": cells})[0]
+    assert a.use and a.method == "ngram k=5"

@@ -39,6 +39,7 @@ def speedup_by_k(cells: list[dict], path: Path) -> Path:
                 if _base(c["method"]) == base and c["k"] == "auto":
                     ax.axhline(c["speedup"], ls="--", color=colour, label=f"{base} k=auto")
         ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(sorted({c["k"] for c in mine if c["k"] != "auto"}) or [0])
         ax.set_title(cat)
         ax.set_xlabel("k (draft tokens per step)")
         ax.grid(alpha=0.3)

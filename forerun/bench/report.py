@@ -53,7 +53,7 @@ def _advice_lines(result: dict) -> list[str]:
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# forerun bench: {m.get('model')} at {m.get('dtype')}", "",
-             f"{m.get('prompts')}, {m.get('limit')} prompts per workload, {m.get('max_new_tokens')} new tokens, "
+             f"{m.get('prompts')}, up to {m.get('limit')} prompts per workload, {m.get('max_new_tokens')} new tokens, "
              f"temperature {m.get('temperature')}, {m.get('threads')} threads. Speedup: summed plain wall time / "
              "summed method wall time (prefill included), plain and methods interleaved per prompt; tau: tokens "
              "per verifier forward; predicted: from the per-token acceptance (Leviathan et al.).", "",
@@ -93,7 +93,7 @@ img {{ max-width: 100%; }} .sample h4 {{ margin: 0.8em 0 0.2em; }} .share {{ fon
 {html_css()}
 </style></head><body>
 <h1>forerun bench: {html.escape(str(m.get('model')))} at {html.escape(str(m.get('dtype')))}</h1>
-<p>{html.escape(str(m.get('prompts')))}, {m.get('limit')} prompts per workload, {m.get('max_new_tokens')} new tokens.</p>
+<p>{html.escape(str(m.get('prompts')))}, up to {m.get('limit')} prompts per workload, {m.get('max_new_tokens')} new tokens.</p>
 <h2>Verdict</h2><pre>{html.escape(chr(10).join(_advice_lines(result)))}</pre>
 <h2>Results</h2><table><tr>{head}</tr>{rows}</table>
 <p>{peers}</p>
