@@ -99,7 +99,7 @@ def cmd_bench(args) -> int:
     if not args.no_cost and "cost_curve" not in result:
         result["cost_curve"] = _cost_curve(verifier)
     if args.vs:
-        result["peers"] = _peers(args, verifier, workloads, specs)
+        result["peers"] = _peers(args, verifier, workloads, specs, run.methods)
     busy = busy_note(torch.get_num_threads())
     if busy and busy not in result["warnings"]:
         result["warnings"].append(busy)
@@ -126,7 +126,7 @@ def _cost_curve(verifier) -> dict:
     return {"context": 256, "ms": {str(t): ms for t, ms in measure(verifier.model, tokens, 256, 3).items()}}
 
 
-def _peers(args, verifier, workloads, specs) -> dict:
+def _peers(args, verifier, workloads, specs, methods) -> dict:
     from forerun.bench.peers import PeerSetup, run_peers
     from forerun.llm import LLM
 
@@ -138,7 +138,7 @@ def _peers(args, verifier, workloads, specs) -> dict:
                       gguf_for(args.model), Path(args.draft_gguf) if args.draft_gguf else None, args.llama_cpp_dir)
     vs = [v.strip() for v in args.vs.split(",") if v.strip()]
     print(f"forerun: peers ({', '.join(vs)}) on {len(prompts)} prompts...", file=sys.stderr, flush=True)
-    return run_peers(verifier, vs, setup)
+    return run_peers(verifier, vs, setup, methods)
 
 
 def gguf_for(model: str | None) -> Path | None:

@@ -44,11 +44,17 @@ class PeerSetup:
     threads: int = field(default_factory=torch.get_num_threads)
 
 
-def run_peers(verifier, vs: list[str], setup: PeerSetup) -> dict:
-    """{"rows": [...], "skipped": [...]}: forerun plain first, then each peer asked for."""
+def run_peers(verifier, vs: list[str], setup: PeerSetup, methods=()) -> dict:
+    """{"rows": [...], "skipped": [...]}: forerun plain and each of its `methods` (bench
+    Methods) on the peers' prompts, then each peer asked for."""
     rows, skipped = [], []
-    ref = _forerun_plain(verifier, setup)
+    ref = _forerun(verifier, None, "forerun plain", setup)
     rows.append(ref)
+    for m in methods:
+        row = _forerun(m.llm, m.spec, f"forerun {m.label}", setup)
+        row.update(vs_forerun_plain=row["tokens_per_s"] / ref["tokens_per_s"],
+                   same_tokens=f"{sum(a == b for a, b in zip(row.pop('tokens'), ref['tokens']))}/{len(setup.prompts)}")
+        rows.append(row)
     if "transformers" in vs:
         try:
             rows += _transformers(verifier, setup, ref)
@@ -62,13 +68,14 @@ def run_peers(verifier, vs: list[str], setup: PeerSetup) -> dict:
     return {"rows": rows, "skipped": skipped, "n_prompts": len(setup.prompts), "max_new_tokens": setup.max_new}
 
 
-def _forerun_plain(verifier, setup: PeerSetup) -> dict:
+def _forerun(llm, spec, name: str, setup: PeerSetup) -> dict:
     params = SamplingParams(temperature=0, max_tokens=setup.max_new)
-    outs = [verifier.generate([ids], params, speculative=None)[0] for ids in setup.prompts]
+    outs = [llm.generate([ids], params, speculative=spec)[0] for ids in setup.prompts]
     n, t = sum(o.stats.generated for o in outs), sum(o.stats.wall_time for o in outs)
     decode = sum(o.stats.decode_time for o in outs)
-    return {"engine": "forerun plain", "tokens_per_s": n / t, "decode_tokens_per_s": n / decode,
-            "vs_forerun_plain": 1.0, "tokens": [o.token_ids for o in outs], "same_tokens": f"{len(outs)}/{len(outs)}"}
+    return {"engine": name, "tokens_per_s": n / t, "decode_tokens_per_s": n / decode, "vs_forerun_plain": 1.0,
+            "tokens": [o.token_ids for o in outs], "same_tokens": f"{len(outs)}/{len(outs)}",
+            "note": f"end to end ({n / decode:.1f} tok/s decode only)"}
 
 
 def _transformers(verifier, setup: PeerSetup, ref: dict) -> list[dict]:
@@ -117,7 +124,8 @@ def _llama_cpp(setup: PeerSetup, ref: dict) -> tuple[list[dict], list[str]]:
     if setup.gguf is None:
         return [], ["llama.cpp: no GGUF file for this model (use an embedded model or a .gguf --model)"]
     base = ref["decode_tokens_per_s"]
-    rows = [_row("llama.cpp plain (llama-bench)", _llama_bench(bindir, setup), base)]
+    rows = [{**_row("llama.cpp plain (llama-bench)", _llama_bench(bindir, setup), base),
+             "note": f"decode only, {setup.gguf.name} (its own quantisation)"}]
     runs = {"llama.cpp prompt lookup (ngram-simple)": ["--spec-type", "ngram-simple"]}
     if setup.draft_gguf is not None:
         runs["llama.cpp draft model"] = ["--spec-type", "draft-simple", "-md", str(setup.draft_gguf)]
@@ -154,7 +162,7 @@ def _llama_spec(bindir: Path, setup: PeerSetup, extra: list[str]) -> tuple[float
         m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
         if m:
             tokens, seconds = tokens + int(m.group(1)), seconds + float(m.group(2))
-        a = re.search(r"accept\s+=\s+([\d.]+)%", log)
+        a = re.search(r"accept\s+=\s+([\d.]+)%", log)  # "-nan%" when nothing was drafted
         if a:
             acc.append(float(a.group(1)))
     return (tokens / seconds if seconds > 0 else None), (f"{sum(acc) / len(acc):.0f}%" if acc else "n/a")
