@@ -45,7 +45,7 @@ def compare(old: list[dict], new: list[dict], drop: float = 0.2) -> list[DriftFl
 def _flag(o: dict, n: dict, drop: float) -> DriftFlag:
     a0, a1, s0, s1 = o["acceptance_rate"], n["acceptance_rate"], o["speedup"], n["speedup"]
     fell = a1 < a0 * (1 - drop) and a0 - a1 > 0.05
-    where = f"{o['category']} / {o['method']}"
+    where = f"{o['category']} / {o['method']} ({o['n_prompts']} prompts; 95% CI old {_ci(o)}, new {_ci(n)})"
     if s0 > 1.0 and s1 < 1.0:
         status = "stopped paying"
         msg = (f"WARNING: {where} no longer pays: {s0:.2f}x -> {s1:.2f}x plain decoding "
@@ -58,6 +58,11 @@ def _flag(o: dict, n: dict, drop: float) -> DriftFlag:
         status = "ok"
         msg = f"{where}: ok (speedup {s0:.2f}x -> {s1:.2f}x, acceptance {a0:.0%} -> {a1:.0%})"
     return DriftFlag(o["category"], status, s0, s1, a0, a1, msg)
+
+
+def _ci(c: dict) -> str:
+    low, high = c.get("speedup_ci95") or (float("nan"), float("nan"))
+    return f"{low:.2f}-{high:.2f}x"
 
 
 @torch.no_grad()
