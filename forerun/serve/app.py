@@ -13,7 +13,7 @@ from forerun.serve.admission import ApiError, Limits, build_request, check_model
 from forerun.serve.metrics import ServeMetrics
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.responses import DONE, Shape, sse
-from forerun.serve.scheduler import QueueFull, Scheduler
+from forerun.serve.scheduler import QueueFull, Scheduler, TooLarge
 from forerun.serve.schemas import ChatRequest, CompletionRequest
 
 ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (404, "unknown model"), (429, "queue full")]}
@@ -75,6 +75,8 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
         st.scheduler.submit(req)
     except QueueFull as e:
         raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full") from e
+    except TooLarge as e:
+        raise ApiError(400, str(e), code="context_length_exceeded", param="max_tokens") from e
     shape = Shape(chat, st.limits.model_names[0], len(req.prompt))
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage

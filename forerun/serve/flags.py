@@ -9,6 +9,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (cache rows)")
     p.add_argument("--max-len", type=int, default=2048, help="prompt + generated tokens per request (capped at the model's context)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: enough for every row at --max-len); fewer admits fewer requests at once")
+    p.add_argument("--no-paged", action="store_true", help="K/V in rows of --max-len slots instead of the block pool")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before the server answers 429")
     p.add_argument("--no-batch-aware", action="store_true", help="keep each request's k whatever the batch size")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")

@@ -32,7 +32,8 @@ def cmd_serve(args) -> int:
     _, spec = _configs(args)
     llm = _llm(args, spec)
     cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
-                      max_queue=args.max_queue, batch_aware=not args.no_batch_aware)
+                      num_blocks=args.num_blocks, paged=not args.no_paged, max_queue=args.max_queue,
+                      batch_aware=not args.no_batch_aware)
     names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
     app = build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names)
     st = app.state

@@ -25,6 +25,7 @@ from forerun.errors import ForerunError
 from forerun.sampling import make_generator
 from forerun.serve.batch_k import BatchK
 from forerun.serve.blocks import BlockAllocator, BlockTable
+from forerun.serve.paged_cache import PagedKVCache
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.step import Live, step_all
 from forerun.streaming import TextStream
@@ -34,12 +35,17 @@ class QueueFull(ForerunError):
     """The waiting queue is at its bound: the server answers 429."""
 
 
+class TooLarge(ForerunError):
+    """The request could never fit the KV block pool: the server answers 400."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     max_batch: int = 8  # cache rows: sequences decoded together
     max_len: int = 2048  # prompt + generated tokens per sequence
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # None: enough for every row at max_len
+    paged: bool = True  # K/V stored in the blocks (paged_cache.py), else in rows of max_len slots
     max_queue: int = 64  # waiting requests beyond which submit() raises QueueFull
     batch_aware: bool = True  # pick k (0 included) per batch size from measured throughput
 
@@ -52,9 +58,12 @@ class Scheduler:
         self.drafter = llm._drafter(self.spec) if self.spec else None
         nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(self.k_max) if self.drafter else 0
         self.capacity = cfg.max_len + nodes + 1
-        self.cache = self.model.new_cache(cfg.max_batch, self.capacity)
         per_row = -(-self.capacity // cfg.block_size)
         self.blocks = BlockAllocator(cfg.num_blocks or cfg.max_batch * per_row, cfg.block_size)
+        if cfg.paged:
+            self.cache = PagedKVCache(self.model, cfg.max_batch, self.capacity, self.blocks.num_blocks, cfg.block_size)
+        else:  # position-indexed rows of max_len slots; the blocks are then accounting only
+            self.cache = self.model.new_cache(cfg.max_batch, self.capacity)
         if self.drafter is not None:
             self.drafter.start(cfg.max_batch, self.capacity, self.cache)
         self.batch_k = BatchK(self.k_max) if self.spec and cfg.batch_aware else None
@@ -82,8 +91,18 @@ class Scheduler:
         with self._cv:
             if len(self.waiting) >= self.cfg.max_queue:
                 raise QueueFull(f"queue full ({self.cfg.max_queue} waiting); retry later")
+            if self.blocks_needed(req) > self.blocks.num_blocks:
+                raise TooLarge(f"the request needs {self.blocks_needed(req)} KV blocks of {self.blocks.block_size} tokens; "
+                               f"the server's pool has {self.blocks.num_blocks}")
             self.waiting.append(req)
             self._cv.notify()
+
+    def blocks_needed(self, req: ServeRequest) -> int:
+        """The most blocks `req` can hold: prompt + max_new tokens + its largest draft. A request
+        is admitted only when that fits beside what running ones may still grow to, so no
+        sequence ever runs out of blocks mid-generation (no preemption needed)."""
+        nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(req.k) if self.drafter and req.k else 0
+        return self.blocks.blocks_for(len(req.prompt) + req.max_new + nodes)
 
     def wake(self) -> None:
         with self._cv:
@@ -116,9 +135,11 @@ class Scheduler:
         while self.free_rows and self.waiting:
             with self._cv:
                 req = self.waiting[0]
+                growth = sum(self.blocks_needed(lv.req) - len(lv.table.blocks) for lv in self.running.values())
+                growth += sum(self.blocks_needed(lv.req) - len(lv.table.blocks) for lv in new)
                 table = BlockTable(self.blocks)
-                if not table.ensure(len(req.prompt) + 1):
-                    break  # FIFO: wait for blocks to come back
+                if self.blocks.free - growth < self.blocks_needed(req) or not table.ensure(len(req.prompt) + 1):
+                    break  # FIFO: wait until running sequences return blocks
                 self.waiting.popleft()
             new.append(self._make_live(req, self.free_rows.pop(), table))
         if not new:
@@ -136,6 +157,7 @@ class Scheduler:
         if release is not None:
             release(row)
         seq = engine.Sequence(row, list(req.prompt), len(req.prompt), req.max_new)
+        self.sync_table(row, table.blocks)
         emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated)))  # noqa: E731
         stream = TextStream(self.llm._decode, req.params.stop, emit)
         return Live(req, seq, table, stream, time.perf_counter())
@@ -159,11 +181,17 @@ class Scheduler:
         """Release the row and its blocks, then tell the consumer (exactly once)."""
         self.running.pop(lv.seq.row, None)
         lv.table.release()
+        self.sync_table(lv.seq.row, [])
         self.free_rows.append(lv.seq.row)
         last.completion_tokens, last.stats, last.token_ids = len(lv.seq.generated), lv.seq.stats, lv.seq.generated
         if self.metrics:
             self.metrics.on_finish(lv, last)
         lv.req.sink(last)
+
+    def sync_table(self, row: int, blocks: list[int]) -> None:
+        """Point a paged cache's row at its sequence's blocks (after admission and growth)."""
+        if isinstance(self.cache, PagedKVCache):
+            self.cache.set_table(row, blocks)
 
     def _drop_cancelled(self) -> None:
         with self._cv:

@@ -83,11 +83,14 @@ def _plan_k(sched, lives: list[Live]) -> tuple[dict[int, int], int]:
     for lv in lives:
         k = min(lv.req.k, k_cap)
         n = len(lv.seq.tokens)
+        held = len(lv.table.blocks)
         if not lv.table.ensure(n + (nodes(k) if k else 0)):
             k = 0
             if not lv.table.ensure(n):
                 sched._finish(lv, Event(error="KV cache blocks exhausted"))
                 continue
+        if len(lv.table.blocks) != held:
+            sched.sync_table(lv.seq.row, lv.table.blocks)
         ks[lv.seq.row] = k
     return ks, k_cap
 
