@@ -55,6 +55,8 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft_model: score only the first N token ids (+ special tokens) in the drafter's head")
     p.add_argument("--tree-width", type=int, default=1, help="draft_model: candidates at the first position (a tree)")
+    p.add_argument("--draft-p-min", type=float, default=0.0,
+                   help="draft_model / quantized: stop a draft where the drafter's top token probability falls below this (0 = never)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
     p.add_argument("--quant-bits", type=int, default=8, choices=[8, 4], help="quantized: the self-draft's weight bits (int8 or int4)")
@@ -170,6 +172,7 @@ def _configs(args):
         quant_bits=args.quant_bits, lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
         lookahead_pool=args.lookahead_pool,
         options={**({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
+                 **({"draft_p_min": args.draft_p_min} if args.draft_p_min else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
     )
     return params, spec

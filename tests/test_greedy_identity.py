@@ -44,6 +44,16 @@ def test_truncated_copy_drafter_accepts_often(verifier, plain):
     assert merge([o.stats for o in outs]).accepted > 0
 
 
+@pytest.mark.parametrize("p_min", [0.2, 0.6, 0.99])
+def test_p_min_shortens_drafts_and_keeps_the_output(verifier, plain, p_min):
+    base = SpeculativeConfig("draft_model", 4, draft_model=LLM(truncated_copy(verifier.model, 1)))
+    full = merge([o.stats for o in verifier.generate(PROMPTS, GREEDY, speculative=base)])
+    spec = SpeculativeConfig("draft_model", 4, draft_model=base.draft_model, options={"draft_p_min": p_min})
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    assert merge([o.stats for o in outs]).drafted < full.drafted
+
+
 def test_self_draft_accepts_everything(verifier, plain):
     outs = verifier.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig("draft_model", 4, draft_model=verifier))
     st = merge([o.stats for o in outs])

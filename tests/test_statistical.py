@@ -58,6 +58,15 @@ def test_draft_model_sampling_is_exact(verifier, reference, k):
     assert chi2_pvalue(samples, reference) > ALPHA
 
 
+def test_draft_model_sampling_is_exact_with_p_min(verifier, reference):
+    """Stopping a draft at a token the drafter finds unlikely (p_min) changes its length only."""
+    draft = LLM(tiny_model(seed=7, vocab_size=8, logit_scale=1.0))
+    spec = SpeculativeConfig("draft_model", 3, draft_model=draft, options={"draft_p_min": 0.3})
+    samples, st = _samples(verifier, spec, seed=31)
+    assert st.accepted > 0 and st.rejections > 0 and 0 < st.drafted < 3 * st.verifier_forwards, st
+    assert chi2_pvalue(samples, reference) > ALPHA
+
+
 def test_draft_model_sampling_is_exact_with_top_k(verifier):
     params = SamplingParams(temperature=1.3, top_k=3, max_tokens=3, seed=5)
     reference = joint_distribution(verifier.model, PROMPT, params, n=3)

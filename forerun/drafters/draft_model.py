@@ -20,8 +20,9 @@ from forerun.sampling import draw
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None):
+    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None, p_min: float = 0.0):
         self.model = model
+        self.p_min = p_min  # stop a row's draft where the drafter's top probability falls below this (llama.cpp's p_min)
         self.vocab_size = vocab_size or model.config.vocab_size  # the verifier's logit width
         self.tree_width = tree_width  # >1: extra candidates for the first drafted position
         self.head = head  # a ReducedHead (draft_vocab), or None: the model's own LM head
@@ -58,25 +59,44 @@ class DraftModelDrafter:
         live = [r for r in requests if r.k > 0]
         out = {r.row: ([], []) for r in live}  # row -> (drafted tokens, their q rows)
         siblings: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # row -> extra first tokens
+        fed_all: set[int] = set()  # rows stopped by p_min: their last drafted token's K/V is written too
         starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], [self._catch_up(r) for r in live])
         for step in range(max((r.k for r in live), default=0)):
+            if not live:  # every row stopped early (p_min)
+                break
             batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # one token per row
             logits = self._logits(batch)  # [B, V]
             toks, q = draw(logits, params, generator)
             if step == 0 and self.tree_width > 1:
                 siblings = self._siblings(logits, q, [r.row for r in live], params, generator)
+            sure = self._confident(logits, q, toks)  # [B] bools
             for i, r in enumerate(live):
-                out[r.row][0].append(toks[i])
-                if q is not None:
-                    out[r.row][1].append(q[i])
-            keep = [i for i, r in enumerate(live) if r.k > step + 1]
+                if sure[i]:
+                    out[r.row][0].append(toks[i])
+                    if q is not None:
+                        out[r.row][1].append(q[i])
+                else:  # no token here, and no more for this row: all it drafted was fed
+                    fed_all.add(r.row)
+            keep = [i for i, r in enumerate(live) if r.k > step + 1 and sure[i]]
             starts = [starts[i] + len(new[i]) for i in keep]
             new, live = [[toks[i]] for i in keep], [live[i] for i in keep]
         for r in requests:
-            if r.k > 0:  # cache now covers r.tokens, then every drafted token but the last
-                self.synced[r.row], self.tail[r.row] = len(r.tokens), out[r.row][0][:-1]
-        drafts = [Draft.of(*out[r.row]) if r.k > 0 else Draft([]) for r in requests]
+            if r.k > 0:  # cache now covers r.tokens, then every drafted token but the last (all: p_min stops)
+                toks = out[r.row][0]
+                self.synced[r.row], self.tail[r.row] = len(r.tokens), toks if r.row in fed_all else toks[:-1]
+        drafts = [Draft.of(*out[r.row]) if r.k > 0 and out[r.row][0] else Draft([]) for r in requests]
         return [self._with_siblings(d, siblings.get(r.row)) for d, r in zip(drafts, requests)]
+
+    def _confident(self, logits: torch.Tensor, q: torch.Tensor | None, toks: list[int]) -> list[bool]:
+        """[B] whether to keep drafting: the drafter's most likely next token has probability
+        >= p_min (always true when p_min is 0). The test reads q's maximum, not the drawn
+        token's probability: a rule that looked at the draw would keep some draws and drop
+        others, and the kept ones would no longer follow q (sampling would stop being exact;
+        tests/test_statistical.py catches that). Like this, only the draft's length changes."""
+        if self.p_min <= 0:
+            return [True] * len(toks)
+        probs = q if q is not None else torch.softmax(logits.float(), dim=-1)  # greedy: the drafter's own softmax
+        return (probs.amax(dim=-1) >= self.p_min).tolist()
 
     def _logits(self, batch) -> torch.Tensor:
         """[B, V] at the batch's one token per row, over the verifier's vocabulary."""
@@ -151,7 +171,10 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
         raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")
     if _same_vocab(draft, verifier):
         vocab = verifier.model.config.vocab_size
-        return DraftModelDrafter(draft.model, spec.tree_width, vocab, _reduced_head(spec, draft, vocab))
+        p_min = float(spec.options.get("draft_p_min", 0.0))
+        if not 0.0 <= p_min < 1.0:
+            raise ConfigError(f"draft_p_min must be in [0, 1), got {p_min}")
+        return DraftModelDrafter(draft.model, spec.tree_width, vocab, _reduced_head(spec, draft, vocab), p_min)
     if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
             "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "

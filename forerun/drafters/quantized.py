@@ -41,4 +41,5 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
     if verifier.dtype == BITS_DTYPE.get(bits) or (verifier.dtype == "int4" and bits == 8):
         raise ConfigError(f"the verifier already runs at {verifier.dtype}: a {BITS_DTYPE.get(bits)} self-draft would be "
                           "the verifier itself or dearer; use a float32 verifier (or int8 with quant_bits 4), or another method")
-    return DraftModelDrafter(quantized_copy(verifier.model, bits), spec.tree_width)
+    p_min = float(spec.options.get("draft_p_min", 0.0))
+    return DraftModelDrafter(quantized_copy(verifier.model, bits), spec.tree_width, p_min=p_min)
