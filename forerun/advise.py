@@ -29,7 +29,7 @@ class Advice:
     use: bool
     method: str | None  # the recommended cell's label ("ngram k=5"); None: plain decoding
     k: object  # its k (int or "auto")
-    speedup: float | None  # the best cell's measured speedup
+    speedup: float | None  # the recommended cell's measured speedup (else the best cell's)
     headline: str  # "USE ngram k=5", "DON'T USE", ...
     evidence: list[str] = field(default_factory=list)
     batch_speedup: dict[int, float] = field(default_factory=dict)  # batch size -> estimated speedup
@@ -62,7 +62,7 @@ def _one(category: str, cells: list[dict], curve: dict[int, float] | None) -> Ad
     ev = [_evidence(best)]
     if low > 1.0:
         pick = _auto_alternative(cells, best) or best
-        a = Advice(category, True, pick["method"], pick["k"], best["speedup"], f"USE {pick['method']}", ev)
+        a = Advice(category, True, pick["method"], pick["k"], pick["speedup"], f"USE {pick['method']}", ev)
         if pick is not best:
             ev.append(f"k=auto ({pick['method']}) is within 5% of the best fixed k: {_evidence(pick)}; "
                       "it also turns speculation off where acceptance drops")
