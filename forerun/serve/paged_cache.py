@@ -6,10 +6,11 @@ of block tables[r][s // block_size].
 
 What it costs: attention reads a row's keys as one contiguous run of slots (SDPA and the
 int8 / float32 chain-attention kernels take [rows, H, S, D] tensors), so `read` and `k[layer]`
-/ `v[layer]` gather the batch rows' blocks into a contiguous tensor for each layer of each
-forward: one extra copy of the K/V a forward attends to. In exchange the pool holds only the
-blocks sequences use (the row cache preallocates rows x max_len), and the bits are the same
-(the gathered values are the stored values, tested with the exactness tests).
+/ `v[layer]` gather the batch rows' blocks into reused buffers for each layer of each
+forward: two copies of the K/V a forward attends to, and buffers of 4 / num_layers of a row
+cache. In exchange the pool holds only the blocks sequences can use (the row cache
+preallocates rows x max_len), and the bits are the same (the gathered values are the
+stored values; the exactness tests run on this cache).
 Table entries past a row's blocks point at a scratch block that no sequence owns, so the
 padding queries of a ragged batch write there instead of into another sequence's blocks.
 """
@@ -17,21 +18,21 @@ from __future__ import annotations
 
 import torch
 
-from forerun.kv_cache import ForwardBatch
+from forerun.kv_cache import ForwardBatch, KVCache
 
 
 class _LayerViews:
     """cache.k[layer] / cache.v[layer] for the kernels: the rows of the forward that last
     wrote this layer, materialised from their blocks as [rows, H, S, D] indexed by cache row."""
 
-    def __init__(self, cache: "PagedKVCache", pools: list[torch.Tensor]):
-        self.cache, self.pools = cache, pools
+    def __init__(self, cache: "PagedKVCache", which: int):
+        self.cache, self.which = cache, which  # 0 = keys, 1 = values
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.cache._materialise(self.pools[layer])
+        return self.cache._materialise(self.which, layer)
 
     def __len__(self) -> int:
-        return len(self.pools)
+        return len(self.cache.k_pool)
 
 
 class PagedKVCache:
@@ -44,7 +45,13 @@ class PagedKVCache:
         self.width = -(-capacity // block_size)  # table entries per row
         self.tables = torch.full((rows, self.width), num_blocks, dtype=torch.long, device=model.device)  # [rows, width]
         self.lengths = [0] * rows
-        self.k, self.v = _LayerViews(self, self.k_pool), _LayerViews(self, self.v_pool)
+        self.k, self.v = _LayerViews(self, 0), _LayerViews(self, 1)
+        # Gather buffers, reused by every layer (a fresh 2-8 MB tensor per layer costs page faults):
+        # 2 x (keys, values) of one layer at full size, i.e. 4 / num_layers of a row cache.
+        H, D = c.num_key_value_heads, c.head_dim
+        new = lambda *shape: torch.empty(shape, dtype=model.dtype, device=model.device)  # noqa: E731
+        self._flat = [new(rows * self.width, H, block_size, D) for _ in range(2)]
+        self._rows = [new(rows, H, self.width * block_size, D) for _ in range(2)]
         self._batch: ForwardBatch | None = None
         self._where: tuple[torch.Tensor, torch.Tensor] | None = None  # (block [B, T], offset [B, T])
 
@@ -76,29 +83,33 @@ class PagedKVCache:
         if batch.kv_len > self.capacity:
             raise IndexError(f"forward reaches slot {batch.kv_len - 1}, KV capacity is {self.capacity}")
 
-    def _gather(self, pool: torch.Tensor, row_index: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """[B, H, nb * block_size, D]: the rows' first nb = ceil(kv_len / block_size) blocks."""
-        nb = -(-kv_len // self.block_size)
-        blocks = pool[self.tables[row_index, :nb]]  # [B, nb, H, bs, D]
-        B, _, H, bs, D = blocks.shape
-        return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)
+    def _gather(self, which: int, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """The batch rows' blocks copied into a reused [rows, H, width * block_size, D] buffer
+        at their cache rows (other rows hold stale data nobody reads). Two copies per call:
+        index_select of the blocks, then their transpose into the slot-major layout."""
+        pool = (self.k_pool, self.v_pool)[which][layer]
+        nb, B, bs = -(-batch.kv_len // self.block_size), len(batch.rows), self.block_size
+        flat = self._flat[which][: B * nb]  # [B * nb, H, bs, D]
+        torch.index_select(pool, 0, self.tables[batch.row_index, :nb].reshape(-1), out=flat)
+        H, D = flat.shape[1], flat.shape[3]
+        rows = flat.view(B, nb, H, bs, D).transpose(1, 2).reshape(B, H, nb * bs, D)
+        out = self._rows[which]
+        if batch.rows == list(range(batch.rows[0], batch.rows[0] + B)):
+            out[batch.rows[0] : batch.rows[0] + B, :, : nb * bs] = rows
+        else:
+            out[batch.row_index, :, : nb * bs] = rows
+        return out
 
     def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [0, S) for the batch's rows: [B, H_kv, S, D] each."""
         S = batch.kv_len
-        return (self._gather(self.k_pool[layer], batch.row_index, S)[:, :, :S],
-                self._gather(self.v_pool[layer], batch.row_index, S)[:, :, :S])
+        idx = KVCache._rows_index(batch)
+        return self._gather(0, layer, batch)[idx, :, :S], self._gather(1, layer, batch)[idx, :, :S]
 
-    def _materialise(self, pool: torch.Tensor) -> torch.Tensor:
-        batch = self._batch
-        if batch is None:
+    def _materialise(self, which: int, layer: int) -> torch.Tensor:
+        if self._batch is None:
             raise RuntimeError("a paged cache's k/v views exist only inside a forward, after its write")
-        rows = self._gather(pool, batch.row_index, batch.kv_len)
-        if batch.rows == list(range(len(batch.rows))):
-            return rows  # rows 0 .. B-1: already indexed by cache row
-        out = torch.empty((self.num_rows,) + rows.shape[1:], dtype=rows.dtype, device=rows.device)
-        out[batch.row_index] = rows
-        return out
+        return self._gather(which, layer, self._batch)
 
     def truncate(self, row: int, length: int):
         if not 0 <= length <= self.capacity:
