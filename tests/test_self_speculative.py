@@ -16,6 +16,7 @@ SPECS = {
     "layer_skip": lambda k: SpeculativeConfig("layer_skip", k, skip_layers=(1, 2)),
     "early_exit": lambda k: SpeculativeConfig("early_exit", k, exit_layer=2),
     "quantized": lambda k: SpeculativeConfig("quantized", k),
+    "quantized_int4": lambda k: SpeculativeConfig("quantized", k, quant_bits=4),
     "lookahead": lambda k: SpeculativeConfig("lookahead", k, lookahead_window=4, lookahead_ngram=3, lookahead_pool=3),
 }
 
@@ -74,8 +75,8 @@ def test_sampling_is_exact(small_vocab, method):
 def test_refusals(verifier):
     with pytest.raises(ConfigError, match="already runs at int8"):
         LLM(tiny_model(dtype="float32"), dtype="int8").generate([[1, 2]], GREEDY, speculative=SPECS["quantized"](2))
-    with pytest.raises(ConfigError, match="int4 self-draft does not pay"):
-        verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("quantized", 2, quant_bits=4))
+    with pytest.raises(ConfigError, match="quant_bits 8 .* or 4"):
+        verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("quantized", 2, quant_bits=3))
     with pytest.raises(ConfigError, match="tune-skip"):
         verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("layer_skip", 2))
     with pytest.raises(ConfigError, match="proper subset"):
