@@ -21,7 +21,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dt)
     x = logits.to(dt)
     # Shift by the max first: a tiny temperature then sends the rest to -inf, not overflow to inf.
-    x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature
+    # (A temperature below the dtype's smallest normal, e.g. 1e-300 in float32, would divide 0 by 0.)
+    x = (x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, torch.finfo(dt).tiny)
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -40,6 +41,7 @@ def _top_p_mask(x: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p = torch.softmax(sorted_x, dim=-1)
     mass_before = sorted_p.cumsum(-1) - sorted_p
     drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False  # the most likely token stays even when top_p rounds to 0 in float32 (5e-324)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))
 

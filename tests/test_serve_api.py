@@ -97,6 +97,13 @@ def test_bad_requests_get_json_4xx(server, body, status):
     assert "message" in r.json()["error"]
 
 
+def test_extreme_but_valid_sampling_values_are_served(server):
+    with server.client() as c:
+        for body in ({"top_p": 5e-324}, {"temperature": 1e-300}, {"temperature": 2.0, "top_k": 1}, {"top_k": 10**6}):
+            r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, **body})
+            assert r.status_code == 200, (body, r.text)
+
+
 def test_malformed_json_and_bad_chat(server):
     with server.client() as c:
         assert c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400

@@ -115,3 +115,22 @@ def test_a_full_queue_answers_429(monkeypatch):
             assert queued.result(timeout=30).status_code == 200
         assert_clean(s)
         still_serves(s)
+
+
+def test_a_failing_group_does_not_fail_its_batch_mates(monkeypatch):
+    from forerun.serve import step as step_mod
+
+    real = step_mod._step_group
+
+    def sampled_groups_fail(sched, group, row_k):
+        if not group[0].req.params.greedy:
+            raise RuntimeError("injected")
+        return real(sched, group, row_k)
+
+    monkeypatch.setattr(step_mod, "_step_group", sampled_groups_fail)
+    with tiny_server(k=2) as s, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        post = lambda body: s.client().post("/v1/completions", json={"prompt": "abab", "max_tokens": 30, "ignore_eos": True, **body})  # noqa: E731
+        futures = [pool.submit(post, {"temperature": t}) for t in (0, 0.8, 0, 0.8)]
+        codes = [f.result(timeout=60).status_code for f in futures]
+        assert codes == [200, 500, 200, 500]
+        assert_clean(s)

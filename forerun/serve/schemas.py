@@ -11,7 +11,7 @@ MAX_STOPS = 4
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: true is not 1.0, "5" is not 5
 
 
 class SpeculativeOptions(Strict):

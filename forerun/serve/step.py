@@ -64,7 +64,11 @@ def step_all(sched, lives: list[Live]) -> tuple[int, int, int | None]:
             groups.setdefault(group_key(lv), []).append(lv)
     before = {lv.seq.row: (lv.seq.stats.drafted, lv.seq.stats.accepted) for lv in lives}
     for group in groups.values():
-        _step_group(sched, group, RowK({lv.seq.row: ks[lv.seq.row] for lv in group}))
+        try:
+            _step_group(sched, group, RowK({lv.seq.row: ks[lv.seq.row] for lv in group}))
+        except Exception as exc:  # fail this group's requests only; the other rows are untouched
+            for lv in group:
+                sched._finish(lv, Event(error=f"{type(exc).__name__}: {exc}"))
     drafted = sum(lv.seq.stats.drafted - before[lv.seq.row][0] for lv in lives)
     accepted = sum(lv.seq.stats.accepted - before[lv.seq.row][1] for lv in lives)
     chosen = k_cap if ks and max(ks.values()) == k_cap else None  # not a request's own cap
