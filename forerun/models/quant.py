@@ -195,7 +195,8 @@ def _quiet():
 def activation_qparams() -> tuple[float, int]:
     """The uint8 scale and zero point fbgemm's dynamic linear (reduce_range) picks for an
     input spanning exactly [-1, 1], as every per-token-scaled input does."""
-    q = torch.quantize_per_tensor_dynamic(torch.tensor([[1.0, -1.0]]), torch.quint8, True)
+    with _quiet():  # (torch's deprecation warning for quantized tensors: one line per process otherwise)
+        q = torch.quantize_per_tensor_dynamic(torch.tensor([[1.0, -1.0]]), torch.quint8, True)
     return q.q_scale(), q.q_zero_point()
 
 
