@@ -75,6 +75,9 @@ def _one(category: str, cells: list[dict], curve: dict[int, float] | None) -> Ad
     if best.get("identical") is False:
         ev.append(f"outputs differ from plain decoding on {1 - best['match_share']:.0%} of prompts "
                   "(expected only at bfloat16, or int8 token trees)")
+    if low > 0 and high / low > 2:
+        ev.append(f"the interval is very wide ({low:.2f}-{high:.2f}x): a stall hit some runs, or the prompts differ "
+                  "widely; rerun on a quiet machine or with more prompts before trusting the figure")
     if best["n_prompts"] < 3:
         a.headline += f" (tentative: {best['n_prompts']} prompt{'s' if best['n_prompts'] > 1 else ''}, too few for a real interval)"
     if curve and a.use:

@@ -92,6 +92,8 @@ def test_advisor_verdicts():
     assert "code (ngram k=3" in line and "leave it off for chat, math" in line
     few = advise({"cells": [cell("x", "ngram k=3", 3, 1.4, 1.4, 1.4, n=1)]})[0]
     assert "tentative" in few.headline
+    stalled = advise({"cells": [cell("x", "ngram k=3", 3, 9.2, 1.2, 17.6)]})[0]
+    assert any("very wide" in e for e in stalled.evidence)
 
 
 def test_batch_estimates_fall_as_the_verifier_turns_compute_bound():
