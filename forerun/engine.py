@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams
-from forerun.drafters.base import Draft, Drafter, DraftRequest, StepFeedback
+from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv_cache import KVCache, chain_batch, tree_batch
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes
@@ -62,11 +62,12 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     capacity = max(len(s.tokens) + s.max_new for s in seqs) + _max_draft_nodes(job) + 1
     cache = model.new_cache(len(seqs), capacity)
     generator = make_generator(job.params.seed, model.device)
+    drafter = job.drafter if job.k > 0 else None
+    if drafter is not None:
+        drafter.start(len(seqs), capacity, cache)
     t0 = time.perf_counter()
-    prefill(model, cache, seqs)
+    prefill(model, cache, seqs, drafter)
     t_prefill = time.perf_counter() - t0
-    if job.drafter is not None and job.k > 0:
-        job.drafter.start(len(seqs), capacity, cache)
     active = list(seqs)
     while active:
         step(model, cache, active, job, generator)
@@ -84,9 +85,13 @@ def _max_draft_nodes(job: GenerateJob) -> int:
     return getattr(job.drafter, "max_draft_nodes", lambda k: k)(job.k)
 
 
-def prefill(model, cache: KVCache, seqs: list[Sequence]):
-    """Write K/V for every prompt token but the last (the first step feeds that one)."""
-    write_prefixes(model, cache, [PrefixWrite(s.row, 0, s.tokens[:-1]) for s in seqs if len(s.tokens) > 1])
+def prefill(model, cache: KVCache, seqs: list[Sequence], drafter: Drafter | None = None):
+    """Write K/V for every prompt token but the last (the first step feeds that one); a
+    drafter with `observe_hidden` gets the hidden states of those tokens (HiddenRows)."""
+    sink = getattr(drafter, "observe_hidden", None)
+    on_hidden = None if sink is None else lambda p, h: sink([HiddenRows(p.row, p.start, h)])
+    write_prefixes(model, cache, [PrefixWrite(s.row, 0, s.tokens[:-1]) for s in seqs if len(s.tokens) > 1],
+                   on_hidden=on_hidden)
     for s in seqs:
         cache.truncate(s.row, len(s.tokens) - 1)
 
@@ -100,10 +105,13 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
         return _tree_step(model, cache, active, drafts, job, generator, t0, t1)
     new = [[s.tokens[-1]] + d.tokens for s, d in zip(active, drafts)]
     batch = chain_batch(new, [len(s.tokens) - 1 for s in active], [s.row for s in active], model.device)
-    logits = model(batch, cache).logits  # [B, K + 1, V]
+    out = model(batch, cache)
+    logits = out.logits  # [B, K + 1, V]
     result = _verify(logits, drafts, job.params, generator)
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
-    _observe(job, active, drafts, logits, [list(range(n)) for n in num_accepted], next_tokens)
+    paths = [list(range(n)) for n in num_accepted]
+    _observe(job, active, drafts, logits, paths, next_tokens)
+    _observe_hidden(job, active, out.hidden, paths)
     _learn(job, active, drafts, num_accepted, t1 - t0)
     t2 = time.perf_counter()
     for s, d, n, nxt in zip(active, drafts, num_accepted, next_tokens):
@@ -122,7 +130,8 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
     parents = [[-1] + [p + 1 for p in d.parent_list()] for d in drafts]  # node 0 = pending token
     new = [[s.tokens[-1]] + d.tokens for s, d in zip(active, drafts)]
     batch = tree_batch(new, parents, starts, [s.row for s in active], model.device)
-    logits = model(batch, cache).logits  # [B, T, V]
+    out = model(batch, cache)
+    logits = out.logits  # [B, T, V]
     greedy = job.params.greedy
     target = logits if greedy else logits_to_probs(logits, job.params)
     results = [
@@ -130,6 +139,7 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         for i, d in enumerate(drafts)
     ]
     _observe(job, active, drafts, logits, [r.path for r in results], [r.next_token for r in results])
+    _observe_hidden(job, active, out.hidden, [r.path for r in results])
     _learn(job, active, drafts, [len(r.path) for r in results], t1 - t0)
     t2 = time.perf_counter()
     for s, d, start, r in zip(active, drafts, starts, results):
@@ -162,6 +172,21 @@ def _observe(job: GenerateJob, active, drafts, logits: torch.Tensor, paths: list
         for i, (s, d) in enumerate(zip(active, drafts))
     ]
     observe(feedback)
+
+
+def _observe_hidden(job: GenerateJob, active, hidden: torch.Tensor, paths: list[list[int]]):
+    """Give drafters that read the verifier's hidden states (Medusa, EAGLE) the rows of this
+    forward that are now committed: the pending token (fed node 0) and the accepted path
+    (draft node n was fed as node n + 1). hidden: [B, T, hidden_size]."""
+    observe = getattr(job.drafter, "observe_hidden", None)
+    if observe is None:
+        return
+    rows = []
+    for i, (s, path) in enumerate(zip(active, paths)):
+        fed = [0] + [n + 1 for n in path]
+        h = hidden[i, : len(fed)] if fed == list(range(len(fed))) else hidden[i, torch.tensor(fed, device=hidden.device)]
+        rows.append(HiddenRows(s.row, len(s.tokens) - 1, h))
+    observe(rows)
 
 
 def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]:

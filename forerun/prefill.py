@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from forerun.kv_cache import KVCache, chain_batch
 
@@ -15,11 +18,16 @@ class PrefixWrite:
     tokens: list[int]
 
 
-def write_prefixes(model, cache: KVCache, items: list[PrefixWrite], budget: int = PREFILL_TOKEN_BUDGET):
+def write_prefixes(
+    model, cache: KVCache, items: list[PrefixWrite], budget: int = PREFILL_TOKEN_BUDGET,
+    on_hidden: Callable[[PrefixWrite, torch.Tensor], None] | None = None,
+):
     """K/V for every item's tokens at slots start, start + 1, ... (no logits computed).
 
     Long items are cut into chunks of at most `budget` tokens; chunks are grouped into
     forwards of at most `budget` padded tokens, and a row's chunks always run in order.
+    on_hidden(chunk, hidden [len(chunk.tokens), hidden_size]) receives each chunk's hidden
+    states (the model's output after its final norm), for drafters that read them.
     """
     pieces = [
         PrefixWrite(it.row, it.start + off, it.tokens[off : off + budget])
@@ -38,7 +46,10 @@ def write_prefixes(model, cache: KVCache, items: list[PrefixWrite], budget: int 
             blocked.add(p.row)
             longest = wider
         batch = chain_batch([p.tokens for p in group], [p.start for p in group], [p.row for p in group], model.device)
-        model(batch, cache, logits_at=None)
+        out = model(batch, cache, logits_at=None)
+        if on_hidden is not None:
+            for i, p in enumerate(group):
+                on_hidden(p, out.hidden[i, : len(p.tokens)])
         pieces = rest
 
 

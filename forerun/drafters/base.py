@@ -73,6 +73,26 @@ class StepFeedback:
     next_token: int  # the recovered or bonus token committed after them
 
 
+@dataclass
+class HiddenRows:
+    """The verifier's hidden states at committed positions of one row, for drafters with an
+    `observe_hidden` method (Medusa and EAGLE heads read them).
+
+    hidden[i] is the verifier's last hidden state *after* its final norm (what its LM head
+    reads) at position start + i, i.e. for input token tokens[start + i]; its logits predict
+    tokens[start + i + 1]. Prefill sends positions 0 .. P - 2 of a P-token prompt; each step
+    sends the pending token and the accepted path, positions pending_pos .. pending_pos + n.
+    So when `propose` runs, a row's hidden states cover positions 0 .. len(tokens) - 2:
+    every committed token but the pending one. Example: prompt [a, b, c] -> prefill sends
+    h(a), h(b) (start 0); a step that accepts 1 draft token d after pending c and commits
+    [d, e] sends h(c), h(d) (start 2), and the next propose sees tokens [a, b, c, d, e].
+    """
+
+    row: int
+    start: int  # position of hidden[0]
+    hidden: torch.Tensor  # [n, hidden_size], a view into the forward's output: copy what you keep
+
+
 class Drafter(Protocol):
     name: str
 
@@ -93,6 +113,8 @@ class Drafter(Protocol):
     # forerun/serve); a drafter with per-row state forgets that row's. Stateless ones omit it.
     # Optional: `observe(feedback: list[StepFeedback])`, called after each verification
     # (before the accepted tokens are committed), e.g. to update a Jacobi window.
+    # Optional: `observe_hidden(rows: list[HiddenRows])`: having it is how a drafter asks for
+    # the verifier's hidden states; called after prefill and after each verification.
 
 
 DrafterFactory = Callable[..., Drafter]

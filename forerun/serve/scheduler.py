@@ -145,7 +145,7 @@ class Scheduler:
         if not new:
             return
         t0 = time.perf_counter()
-        engine.prefill(self.model, self.cache, [lv.seq for lv in new])
+        engine.prefill(self.model, self.cache, [lv.seq for lv in new], self.drafter)
         for lv in new:
             lv.seq.stats.prefill_time = time.perf_counter() - t0
             self.running[lv.seq.row] = lv
