@@ -52,6 +52,11 @@ class DecoderBase(nn.Module):
         logits = self.lm_head(h)
         return logits.float() if logits.dtype == torch.bfloat16 else logits
 
+    def hidden_to_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden_size] rows after the final norm -> [..., vocab] the model's own logits
+        for them (its LM head; drafters that share it, Medusa and EAGLE heads, call this)."""
+        return self.head(hidden, "all")
+
     @torch.inference_mode()
     def score(self, ids: list[int], skip: frozenset[int] = frozenset(), last_only: bool = False) -> torch.Tensor:
         """Teacher-forced logits of one sequence in a fresh cache: [T, V] (or [V] for the last)."""

@@ -186,6 +186,10 @@ class Gemma3ForCausalLM(DecoderBase):
         logits = self.head(hidden, logits_at)
         return ModelOutput(hidden, None if logits is None else softcap(logits, self.config.final_logit_softcapping))
 
+    def hidden_to_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """DecoderBase.hidden_to_logits, with Gemma's final soft-capping as in forward."""
+        return softcap(self.head(hidden, "all"), self.config.final_logit_softcapping)
+
     def _ropes(self, batch: ForwardBatch, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Layer kind -> (cos, sin) [B, 1, T, hd]: the two kinds rotate with different bases."""
         angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32

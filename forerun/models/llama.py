@@ -111,6 +111,14 @@ class Attention(nn.Module):
         )
 
 
+def attention_bias(batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor | None:
+    """[B, 1, T, S] additive mask (0 / -inf) from batch.mask, or None when batch.attention
+    names a rule attention applies by itself ("all", "causal")."""
+    if batch.attention != "mask":
+        return None
+    return torch.zeros(batch.mask.shape, dtype=dtype, device=batch.mask.device).masked_fill_(~batch.mask, float("-inf"))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -201,9 +209,7 @@ class LlamaForCausalLM(DecoderBase):
         x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
         # SDPA would turn a bool mask into an additive one in every layer: do it once here,
         # and not at all when SDPA's own rule is the same (one decode token, a fresh prefill).
-        bias = None
-        if batch.attention == "mask":
-            bias = torch.zeros(batch.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~batch.mask, float("-inf"))
+        bias = attention_bias(batch, x.dtype)
         rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -1,0 +1,180 @@
+"""Medusa and EAGLE heads: greedy identity (chains and trees), drafts equal to a from-scratch
+reference computation, checkpoints and the verifier fingerprint."""
+import pytest
+import torch
+
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.drafters.base import DraftRequest
+from forerun.errors import ConfigError, ModelLoadError
+from forerun.heads.checkpoint import load_head, new_head, save_head
+from forerun.heads.fingerprint import verifier_fingerprint
+from forerun.kv_cache import chain_batch
+from forerun.llm import LLM
+from forerun.metrics import merge
+from tests.tiny import tiny_model
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return LLM(tiny_model(seed=0))
+
+
+@pytest.fixture(scope="module")
+def plain(verifier):
+    return [o.token_ids for o in verifier.generate(PROMPTS, GREEDY, speculative=None)]
+
+
+def random_head(method, verifier, seed=1, **config):
+    """An untrained head with random weights (Medusa's zero init would only repeat the
+    verifier's next token)."""
+    head = new_head(method, verifier.model, **config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    return head.double()
+
+
+@pytest.fixture(scope="module")
+def heads(verifier):
+    return {"medusa": random_head("medusa", verifier, num_heads=4), "eagle": random_head("eagle", verifier)}
+
+
+TREES = {"chain": (1, {}), "tree": (3, {"tree_nodes": 7, "tree_beam": 2})}
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_greedy_identity(verifier, plain, heads, method, k, shape):
+    width, options = TREES[shape]
+    spec = SpeculativeConfig(method, k, draft_model=heads[method], tree_width=width, options=options)
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    st = merge([o.stats for o in outs])
+    assert st.drafted > 0 and st.accepted > 0
+    alone = [verifier.generate([p], GREEDY, speculative=spec)[0].token_ids for p in PROMPTS]
+    assert alone == plain
+
+
+# -- drafts equal a from-scratch computation ------------------------------------------------
+def _drafter(verifier, spec, seq):
+    """A drafter that has seen prefill of `seq` (its hidden states), ready to propose."""
+    from forerun.engine import Sequence, prefill
+
+    d = verifier._drafter(spec)
+    cache = verifier.model.new_cache(1, 64)
+    d.start(1, 64, cache)
+    prefill(verifier.model, cache, [Sequence(0, list(seq), len(seq), 8)], d)
+    return d
+
+
+def _hidden(model, ids):
+    return model(chain_batch([ids], [0], [0], model.device), model.new_cache(1, len(ids)), logits_at=None).hidden[0]
+
+
+def _eagle_logp(verifier, head, seq, path):
+    """log q of the token after seq + path, computed from nothing: true pairs for seq, then
+    the head's own guesses for the drafted path, in a fresh cache."""
+    m = verifier.model
+    feats = list(_hidden(m, seq[:-1]))
+    toks = list(seq[1:])
+    out = None
+    for i in range(len(path) + 1):
+        if i:
+            feats.append(out[0, -1])
+            toks.append(path[i - 1])
+        batch = chain_batch([toks], [0], [0], m.device)
+        emb = m.model.embed_tokens(batch.tokens)
+        out = head(torch.stack(feats)[None], emb, batch, head.new_cache(1, len(toks)))
+    return torch.log_softmax(m.hidden_to_logits(out[0, -1]), -1)
+
+
+@torch.inference_mode()
+def test_eagle_chain_equals_reference(verifier, heads):
+    seq = PROMPTS[2]
+    d = _drafter(verifier, SpeculativeConfig("eagle", 4, draft_model=heads["eagle"]), seq)
+    draft = d.propose([DraftRequest(0, seq, 4)], GREEDY, None)[0]
+    for i, tok in enumerate(draft.tokens):
+        assert tok == int(_eagle_logp(verifier, heads["eagle"], seq, draft.tokens[:i]).argmax())
+
+
+@torch.inference_mode()
+def test_eagle_tree_scores_equal_reference(verifier, heads):
+    """Every candidate's score is the summed log q of its path computed from scratch (so the
+    tree mask, positions and slots of the fed nodes are right), and the draft is the best
+    `tree_nodes` of them."""
+    from forerun.drafters.eagle_tree import candidates
+
+    seq = PROMPTS[0]
+    spec = SpeculativeConfig("eagle", 3, draft_model=heads["eagle"], tree_width=3, options={"tree_nodes": 9, "tree_beam": 2})
+    d = _drafter(verifier, spec, seq)
+    req = DraftRequest(0, seq, 3)
+    tree = candidates(d, [req], d._catch_up([req]), [3])[0]
+    assert len(tree.tokens) == 3 + 2 * 2 * 3  # root's 3, then 2 expanded nodes x 3 children per depth
+    for i, score in enumerate(tree.scores):
+        path, n = [], i
+        while n >= 0:
+            path.insert(0, tree.tokens[n])
+            n = tree.parents[n]
+        ref = sum(float(_eagle_logp(verifier, heads["eagle"], seq, path[:j])[path[j]]) for j in range(len(path)))
+        assert abs(ref - score) < 1e-5, (i, path)  # scores are float32 sums
+    d.synced = {}
+    draft = d.propose([req], GREEDY, None)[0]
+    best = sorted(range(len(tree.scores)), key=lambda i: (-tree.scores[i], i))[:9]
+    assert sorted(draft.tokens) == sorted(tree.tokens[i] for i in best) and len(draft.tokens) == 9
+
+
+@torch.inference_mode()
+def test_medusa_chain_equals_reference(verifier, heads):
+    seq = PROMPTS[2]
+    h = heads["medusa"]
+    d = _drafter(verifier, SpeculativeConfig("medusa", 3, draft_model=h), seq)
+    draft = d.propose([DraftRequest(0, seq, 3)], GREEDY, None)[0]
+    last = _hidden(verifier.model, seq[:-1])[-1]
+    want = verifier.model.hidden_to_logits(h(last)).argmax(-1).tolist()[:3]
+    assert draft.tokens == want
+
+
+@torch.inference_mode()
+def test_medusa_tree_is_the_most_confident_rank_paths(verifier, heads):
+    h = heads["medusa"]
+    seq = PROMPTS[0]
+    d = _drafter(verifier, SpeculativeConfig("medusa", 2, draft_model=h, tree_width=3, options={"tree_nodes": 5}), seq)
+    draft = d.propose([DraftRequest(0, seq, 2)], GREEDY, None)[0]
+    logp = torch.log_softmax(verifier.model.hidden_to_logits(h(_hidden(verifier.model, seq[:-1])[-1])), -1)[:2]
+    paths = {(a,): float(logp[0, a]) for a in logp[0].topk(3).indices.tolist()}
+    paths.update({(a, b): paths[(a,)] + float(logp[1, b]) for (a,) in list(paths) for b in logp[1].topk(3).indices.tolist()})
+    best = sorted(paths, key=lambda p: -paths[p])[:5]
+    got = []
+    for i, tok in enumerate(draft.tokens):
+        p = draft.parents[i]
+        got.append((tok,) if p < 0 else (draft.tokens[p], tok))
+    assert sorted(got) == sorted(best)
+
+
+# -- checkpoints and fingerprints ----------------------------------------------------------
+def test_save_load_round_trip_and_refusals(verifier, heads, tmp_path):
+    save_head(tmp_path / "h", heads["eagle"], "tiny")
+    loaded = load_head(tmp_path / "h", "eagle", verifier.model)
+    for (name, a), b in zip(heads["eagle"].state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(a.float(), b.float(), msg=name)
+    other = LLM(tiny_model(seed=5))
+    with pytest.raises(ConfigError, match="trained for another verifier"):
+        other.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("eagle", 2, draft_model=str(tmp_path / "h")))
+    with pytest.raises(ConfigError, match="is a eagle head, not medusa"):
+        load_head(tmp_path / "h", "medusa", verifier.model)
+    with pytest.raises(ModelLoadError, match="not a forerun head"):
+        load_head(tmp_path, "eagle", verifier.model)
+    with pytest.raises(ConfigError, match="needs draft_model="):
+        verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("medusa", 2))
+
+
+def test_fingerprint_is_the_same_at_every_precision_and_differs_across_models():
+    prints = {verifier_fingerprint(tiny_model(seed=0, dtype=d, hidden_size=64, intermediate_size=128))
+              for d in ("float32", "bfloat16", "int8")}
+    assert len(prints) == 1
+    assert verifier_fingerprint(tiny_model(seed=1, hidden_size=64, intermediate_size=128)) not in prints
