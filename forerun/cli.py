@@ -1,4 +1,5 @@
-"""`forerun generate` and `forerun compare`. User errors print one line, never a traceback."""
+"""The `forerun` command: its parsers, `generate`, `tune-skip` and `cost` (compare, bench, advise,
+drift and serve live beside their code). User errors print one line, never a traceback."""
 from __future__ import annotations
 
 import argparse
@@ -12,10 +13,6 @@ DEFAULT_PROMPT = (
     "Fix the bug in this Python code and show the full corrected code:\n\n"
     "def find_max(numbers):\n    best = 0\n    for n in numbers:\n        if n < best:\n"
     "            best = n\n    return best"
-)
-FIXED_TEXT = (
-    "Speculative decoding lets a cheap drafter propose several tokens that the large model then checks "
-    "in a single forward pass. def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
 )
 
 
@@ -139,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
 
             print("\n".join(available_methods()))
             return 0
-        commands = {"generate": cmd_generate, "compare": cmd_compare, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
+        commands = {"generate": cmd_generate, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
         from forerun.bench.commands import cmd_advise, cmd_bench, cmd_drift
 
         commands.update(bench=cmd_bench, advise=cmd_advise, drift=cmd_drift)
+        if args.command == "compare":
+            from forerun.bench.compare import cmd_compare
+
+            return cmd_compare(args)
         if args.command == "serve":
             from forerun.serve.main import cmd_serve
 
@@ -258,33 +259,6 @@ def _speedup_line(llm, prompt, params, out, label: str, repeats: int) -> str:
     return line + (f"\nforerun: warning: {busy}" if busy else "")
 
 
-def cmd_compare(args) -> int:
-    from tqdm import tqdm
-
-    from forerun.bench.compare import run_pair, summarize
-    from forerun.prompts import load_prompts
-
-    params, spec = _configs(args)
-    if not spec.enabled:
-        raise ForerunError("compare needs a speculative method and --k >= 1")
-    prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)
-    llm = _llm(args, spec)
-    runs = [run_pair(llm, p, params, spec, spec_first=bool(i % 2)) for i, p in enumerate(tqdm(prompts, desc="prompts", file=sys.stderr))]
-    import torch
-
-    from forerun.bench.spread import busy_note
-
-    warnings = [w for w in [busy_note(torch.get_num_threads())] if w]
-    report = {"prompts": args.prompts, **summarize(llm, runs, params, spec), "warnings": warnings}
-    if args.dtype != "float32":
-        report["top1_agreement_vs_float32"] = _agreement_vs_float32(args, llm)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_report(report)
-    return 0
-
-
 # Vicuna ids that duplicate Spec-Bench prompts (see the data's SOURCES.md): never tune on them.
 SPEC_BENCH_OVERLAP = {"vicuna/64", "vicuna/67", "vicuna/77"}
 
@@ -292,7 +266,7 @@ SPEC_BENCH_OVERLAP = {"vicuna/64", "vicuna/67", "vicuna/77"}
 def cmd_tune_skip(args) -> int:
     from tqdm import tqdm
 
-    from forerun.bench.compare import prompt_ids
+    from forerun.bench.bench import prompt_ids
     from forerun.bench.tune_skip import confirm, search
     from forerun.config import SamplingParams
     from forerun.drafters.skip_profile import save_profile
@@ -355,32 +329,6 @@ def cmd_cost(args) -> int:
     if args.plot:
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0
-
-
-def _agreement_vs_float32(args, llm) -> float:
-    from forerun.bench.compare import top1_agreement
-    from forerun.llm import LLM
-
-    ref = LLM(model=args.model, dtype="float32", speculative=None, progress=False)
-    return top1_agreement(llm.model, ref.model, llm.encode([FIXED_TEXT])[0])
-
-
-def _print_report(r: dict):
-    a, s = r["autoregressive"], r["speculative"]
-    print(f"{r['prompts']}: {r['n_prompts']} prompts, {r['method']} k={r['k']}, dtype {r['dtype']}, temperature {r['temperature']}")
-    print(f"  plain        {a['tokens_per_s']:7.2f} tok/s  (decode {a['decode_tokens_per_s']:.2f})")
-    print(f"  speculative  {s['tokens_per_s']:7.2f} tok/s  (decode {s['decode_tokens_per_s']:.2f})")
-    low, high = r["speedup_ci95"]
-    print(f"  speedup {r['speedup']:.2f}x  (95% interval over prompts {low:.2f}-{high:.2f}x: {r['verdict']})")
-    print(f"  acceptance {s['acceptance_rate']:.1%}   mean accepted length {s['mean_accepted_length']:.2f}")
-    if r["identical"] is not None:
-        print(f"  identical to plain: {r['identical']}  (match share {r['match_share']:.0%})")
-    for d in r["divergences"]:
-        print(f"    {d['id']}: first differs at token {d['position']}, top-2 logit gap {d['top2_logit_gap']:.4f}")
-    for w in r.get("warnings", []):
-        print(f"  warning: {w}")
-    if "top1_agreement_vs_float32" in r:
-        print(f"  top-1 agreement with float32 on a fixed text: {r['top1_agreement_vs_float32']:.1%}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """The dev-split check behind the n-gram drafter's defaults (prompts 4-6 of four sets, never
-the first three that the drafter matrix reports on).
+the first three that the bench's drafter matrix reports on).
 
     .venv/bin/python scripts/ngram_dev_split.py
 
-Measured on the 2-core CPU, SmolLM2 float32, greedy, 64 tokens, 12 prompts:
+It runs the bench's grid (forerun/bench/grid.py: plain and every config interleaved per
+prompt) on one workload of the 12 dev prompts. Measured on the 2-core CPU, SmolLM2 float32,
+greedy, 64 tokens, with the earlier pairwise runner (each config against its own plain runs):
 min1 k5 1.127x, min2 k5 1.234x, min1 k3 1.064x, min2 k3 1.160x, min3 k5 1.222x.
 """
-from forerun.bench.compare import run_pair, summarize
+from forerun.bench.bench import prompt_ids
+from forerun.bench.cell import summarize_cell
+from forerun.bench.grid import Workload, make_methods, refuse, run_workload, warm_up
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
 from forerun.prompts import load_prompts
@@ -20,11 +24,13 @@ def main():
     prompts = []
     for s in ["humaneval", "spec_bench:summarization", "spec_bench:math_reasoning", "spec_bench:mt_bench"]:
         prompts += load_prompts(s, limit=6)[3:6]
-    for label, spec in CONFIGS.items():
-        runs = [run_pair(llm, p, params, spec, spec_first=bool(i % 2)) for i, p in enumerate(prompts)]
-        r = summarize(llm, runs, params, spec)
-        s = r["speculative"]
-        print(f"{label}: speedup {r['speedup']:.3f} acceptance {s['acceptance_rate']:.3f} tau {s['mean_accepted_length']:.2f}")
+    work = Workload("dev", [(p.id, prompt_ids(llm, p)) for p in prompts])
+    methods = make_methods(llm, list(CONFIGS.values()), labels=list(CONFIGS))
+    refuse(warm_up(llm, methods, work.prompts[0][1]))
+    pairs = run_workload(llm, methods, work, params)
+    for m in methods:
+        c = summarize_cell(work.category, m.label, m.k, pairs[m.label], greedy=True)
+        print(f"{m.label}: speedup {c['speedup']:.3f} acceptance {c['acceptance_rate']:.3f} tau {c['tau']:.2f}")
 
 
 if __name__ == "__main__":

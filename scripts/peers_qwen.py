@@ -16,12 +16,18 @@ import time
 
 import torch
 
-from forerun.bench.compare import prompt_ids
-from forerun.bench.vs_transformers import _hf_model
+from forerun.bench.bench import prompt_ids
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.embedded import QWEN_MODELS, ensure_chunked_gguf
 from forerun.llm import LLM
 from forerun.prompts import load_prompts
+
+
+def _hf_model(gguf):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
 
 
 def _hf(model, ids, max_new, eos, assistant=None):

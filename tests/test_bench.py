@@ -176,3 +176,35 @@ def test_advisor_prefers_a_proven_gain_over_a_wider_higher_point():
     cells = [cell("s", "ngram k=5", 5, 1.27, 1.20, 1.38), cell("s", "ngram k=auto", "auto", 1.28, 0.97, 1.68)]
     a = advise({"cells": cells})[0]
     assert a.use and a.method == "ngram k=5"
+
+
+def test_grid_axes_inside_a_method_and_unique_labels():
+    """`--draft-model a,b` and `--ngram-branches 1,3` grid like k; cells that differ only in
+    their draft model are named apart by it."""
+    from forerun.bench.commands import specs_from
+    from forerun.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--methods", "ngram,draft_model,lookahead", "--k", "3",
+                                      "--ngram-branches", "1,3", "--draft-model", "a,b"])
+    specs = specs_from(args)
+    assert [(s.method, s.ngram_branches, s.draft_model) for s in specs] == [
+        ("ngram", 1, None), ("ngram", 3, None), ("draft_model", 1, "a"), ("draft_model", 1, "b"), ("lookahead", 1, None)]
+    verifier = LLM(tiny_model(seed=0, num_hidden_layers=2))
+    drafts = [LLM(tiny_model(seed=s, num_hidden_layers=1)) for s in (1, 2)]
+    for d, name in zip(drafts, ("small", "smaller")):
+        d.name = name
+    methods = make_methods(verifier, [SpeculativeConfig("draft_model", 3, draft_model=d) for d in drafts]
+                           + [SpeculativeConfig("ngram", 3, ngram_branches=3)])
+    assert [m.label for m in methods] == ["draft_model k=3 (small)", "draft_model k=3 (smaller)", "ngram tree x3 k=3"]
+    with pytest.raises(ForerunError, match="listed twice"):
+        make_methods(verifier, [SpeculativeConfig("ngram", 3)] * 2)
+
+
+def test_bench_leaves_out_a_drafter_that_cannot_run_and_says_why(tmp_path):
+    run = bench_run(tmp_path, [SpeculativeConfig("layer_skip", 2), SpeculativeConfig("ngram", 2)])
+    result = run_bench(run)
+    assert {c["method"] for c in result["cells"]} == {"ngram k=2"}
+    assert any(w.startswith("layer_skip k=2 left out: no layer-skip profile") for w in result["warnings"])
+    with pytest.raises(ForerunError, match="layer-skip profile"):  # nothing left to run: the error itself
+        run_bench(bench_run(tmp_path / "none", [SpeculativeConfig("layer_skip", 2)]))
+

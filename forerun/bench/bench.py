@@ -3,21 +3,23 @@
 The JSON (`OUT/bench.json`) is written after every workload, so an interrupted run keeps
 what it finished and `--resume` skips the cells (workload, method label) already there;
 a resumed workload re-measures plain decoding beside the methods it still runs, so every
-cell's speedup is against plain runs interleaved with its own.
+cell's speedup is against plain runs interleaved with its own. A method whose drafter
+cannot run on this verifier is left out with a warning saying why.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from forerun.bench.cell import summarize_cell
-from forerun.bench.grid import Method, Workload, run_workload, warm_up
+from forerun.bench.grid import Method, Workload, refuse, run_workload, warm_up
 from forerun.config import SamplingParams
 from forerun.errors import ForerunError
 from forerun.llm import LLM
-from forerun.prompts import Prompt, load_prompts
+from forerun.prompts import SPEC_BENCH_SUBTASKS, Prompt, load_prompts
 from forerun.provenance import Sample, token_pieces
 
 SAMPLE_TOKENS = 96  # tokens of each cell's first output kept for the coloured samples
@@ -40,11 +42,17 @@ class BenchRun:
         return self.out / "bench.json"
 
 
-def workloads_from(llm: LLM, sets: list[str], limit: int, data_dir=None) -> list[Workload]:
-    """Each `spec_bench:<subtask>` is one workload; other sets (and JSONL files) are split
-    by their prompts' category. `limit`: prompts per workload."""
-    from forerun.bench.compare import prompt_ids
+def prompt_ids(llm: LLM, prompt: Prompt) -> list[int]:
+    """The prompt's token ids as fed to the model: a chat prompt through the chat template."""
+    text = llm.apply_chat_template([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
+    return llm.encode([text])[0]
 
+
+def workloads_from(llm: LLM, sets: list[str], limit: int, data_dir=None) -> list[Workload]:
+    """Each `spec_bench:<subtask>` is one workload, and `spec_bench` is its six subtasks;
+    other sets (and JSONL files) are split by their prompts' category. `limit`: prompts per
+    workload."""
+    sets = [s for name in sets for s in ([f"spec_bench:{t}" for t in SPEC_BENCH_SUBTASKS] if name == "spec_bench" else [name])]
     groups: dict[str, list[Prompt]] = {}
     for name in sets:
         prompts = load_prompts(name, data_dir=data_dir)
@@ -71,15 +79,8 @@ def run_bench(run: BenchRun) -> dict:
     from tqdm import tqdm
 
     result = run.result = load_previous(run)
-    done = {(c["category"], c["method"]) for c in result["cells"]}
-    todo = [(w, [m for m in run.methods if (w.category, m.label) not in done]) for w in run.workloads]
-    todo = [(w, ms) for w, ms in todo if ms]
+    todo = _pending(run, result)
     total = sum(len(w.prompts) * (len(ms) + 1) for w, ms in todo)
-    if not todo:
-        return result
-    run.out.mkdir(parents=True, exist_ok=True)
-    pending = {m.label: m for _, ms in todo for m in ms}
-    warm_up(run.verifier, list(pending.values()), todo[0][0].prompts[0][1])
     with tqdm(total=total, desc="bench runs", disable=not run.progress, unit="run") as bar:
         for w, ms in todo:
             bar.set_postfix_str(w.category)
@@ -89,6 +90,27 @@ def run_bench(run: BenchRun) -> dict:
                 result["samples"].append(_sample(run.verifier, w.category, m.label, pairs[m.label][0]))
             save(result, run.json_path)
     return result
+
+
+def _pending(run: BenchRun, result: dict) -> list[tuple[Workload, list[Method]]]:
+    """(workload, methods) still to run, warmed up; methods that cannot run on this
+    verifier are left out with a warning (all of them: the error)."""
+    done = {(c["category"], c["method"]) for c in result["cells"]}
+    todo = [(w, [m for m in run.methods if (w.category, m.label) not in done]) for w in run.workloads]
+    todo = [(w, ms) for w, ms in todo if ms]
+    if not todo:
+        return []
+    run.out.mkdir(parents=True, exist_ok=True)
+    pending = {m.label: m for _, ms in todo for m in ms}
+    failed = warm_up(run.verifier, list(pending.values()), todo[0][0].prompts[0][1])
+    if len(failed) == len(pending):
+        refuse(failed)
+    for label, why in failed.items():
+        note = f"{label} left out: {why}"
+        print(f"forerun: {note}", file=sys.stderr, flush=True)
+        result["warnings"] += [] if note in result["warnings"] else [note]
+    todo = [(w, [m for m in ms if m.label not in failed]) for w, ms in todo]
+    return [(w, ms) for w, ms in todo if ms]
 
 
 def _sample(llm: LLM, category: str, label: str, pair) -> dict:

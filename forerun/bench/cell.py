@@ -69,6 +69,17 @@ def time_split(s: SpecStats) -> dict[str, float]:
     return {"prefill_s": s.prefill_time, "draft_s": s.draft_time, "verify_s": s.verify_time, "overhead_s": overhead}
 
 
+def draft_cost(plain: SpecStats, spec: SpecStats) -> float | None:
+    """The drafter's seconds per step over one plain step's seconds (a verifier forward
+    and its bookkeeping): what a draft costs in verifier forwards.
+    >>> draft_cost(SpecStats(verifier_forwards=10, decode_time=1.0), SpecStats(verifier_forwards=4, draft_time=0.2))
+    0.5
+    """
+    if not spec.verifier_forwards or not plain.verifier_forwards or plain.decode_time <= 0:
+        return None
+    return (spec.draft_time / spec.verifier_forwards) / (plain.decode_time / plain.verifier_forwards)
+
+
 def summarize_cell(category: str, label: str, k, pairs: list[PairRun], greedy: bool) -> dict:
     """The cell's figures; speedup = summed plain wall time / summed method wall time with
     a 95% bootstrap interval over prompts."""
@@ -79,13 +90,14 @@ def summarize_cell(category: str, label: str, k, pairs: list[PairRun], greedy: b
     return {
         "category": category, "method": label, "k": k, "n_prompts": len(pairs),
         "plain_tokens_per_s": plain.tokens_per_s, "tokens_per_s": spec.tokens_per_s,
+        "plain_decode_tokens_per_s": plain.decode_tokens_per_s, "decode_tokens_per_s": spec.decode_tokens_per_s,
         "speedup": sum(t_plain) / sum(t_spec) if sum(t_spec) > 0 else None,
         "speedup_ci95": [low, high], "verdict": verdict(low, high),
         "acceptance_rate": spec.acceptance_rate, "alpha": alpha(spec),
         "acceptance_by_position": position_acceptance(spec),
         "tau": spec.mean_accepted_length, "predicted_tau": predicted_tau(spec),
         "drafted_per_step": spec.drafted / spec.verifier_forwards if spec.verifier_forwards else 0.0,
-        "steps": spec.verifier_forwards, "plain_steps": plain.verifier_forwards,
+        "steps": spec.verifier_forwards, "plain_steps": plain.verifier_forwards, "draft_cost": draft_cost(plain, spec),
         "time_split": time_split(spec), "plain_time_split": time_split(plain),
         "identical": all(same) if greedy else None, "match_share": sum(same) / len(same) if greedy and same else None,
         "per_prompt": [_row(p) for p in pairs],

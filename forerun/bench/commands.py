@@ -25,6 +25,9 @@ def add_parsers(sub, common, fmt):
     b.add_argument("--limit", type=int, default=3, help="prompts per workload")
     b.add_argument("--method", "--methods", dest="methods", default="ngram", help="comma-separated drafters")
     b.add_argument("--k", default="5", help="comma-separated draft lengths, 'auto' included (e.g. 3,5,auto)")
+    b.add_argument("--draft-model", default=None, help="draft_model: comma-separated draft models (same forms as "
+                   "--model; another tokenizer is bridged), one cell each; the first is transformers' assistant")
+    b.add_argument("--ngram-branches", default="1", help="ngram: comma-separated tree widths (1 = chain), one cell each")
     b.add_argument("--out", default="forerun-bench", help="report folder (bench.json, report.md/.html, PNGs)")
     b.add_argument("--resume", action="store_true", help="keep the cells already in OUT/bench.json, run the rest")
     b.add_argument("--no-cost", action="store_true", help="skip the cost curve behind the batch-size estimates")
@@ -60,7 +63,8 @@ def _ks(text: str) -> list:
 
 
 def specs_from(args) -> list:
-    """One SpeculativeConfig per method x k, with the shared drafter options from args."""
+    """One SpeculativeConfig per method x k x the method's own listed options (draft
+    models, n-gram tree widths), with the shared drafter options from args."""
     from forerun.cli import _configs
 
     specs = []
@@ -68,10 +72,20 @@ def specs_from(args) -> list:
         if method in ("plain", "none"):
             raise ForerunError("plain decoding always runs: list only drafters in --methods")
         for k in _ks(str(args.k)):
-            ns = copy.copy(args)
-            ns.method, ns.k = method, k
-            specs.append(_configs(ns)[1])
+            specs += [_configs(_one(args, method, k, **extra))[1] for extra in _variants(method, args)]
     return specs
+
+
+def _variants(method: str, args) -> list[dict]:
+    """The grid's axis inside one method: each draft model of a draft_model, each tree
+    width of an n-gram drafter (both comma-separated on the command line)."""
+    from forerun.cli import _int_list
+
+    if method == "draft_model" and args.draft_model:
+        return [{"draft_model": d.strip()} for d in args.draft_model.split(",") if d.strip()]
+    if method == "ngram":
+        return [{"ngram_branches": b} for b in _int_list(str(args.ngram_branches)) or (1,)]
+    return [{}]
 
 
 def cmd_bench(args) -> int:
@@ -99,7 +113,8 @@ def cmd_bench(args) -> int:
     if not args.no_cost and "cost_curve" not in result:
         result["cost_curve"] = _cost_curve(verifier)
     if args.vs:
-        result["peers"] = _peers(args, verifier, workloads, specs, run.methods)
+        ran = {c["method"] for c in result["cells"]}
+        result["peers"] = _peers(args, verifier, workloads, specs, [m for m in run.methods if m.label in ran])
     busy = busy_note(torch.get_num_threads())
     if busy and busy not in result["warnings"]:
         result["warnings"].append(busy)
@@ -113,8 +128,15 @@ def cmd_bench(args) -> int:
 
 
 def _plain(args):
+    return _one(args, "none", 0)
+
+
+def _one(args, method: str, k, **extra):
+    """args for one cell: `method`, `k`, and `extra` over the bench's lists (draft models,
+    tree widths), which default to none and a chain."""
     ns = copy.copy(args)
-    ns.method, ns.k = "none", 0
+    ns.method, ns.k, ns.ngram_branches, ns.draft_model = method, k, 1, None
+    vars(ns).update(extra)
     return ns
 
 
@@ -133,7 +155,8 @@ def _peers(args, verifier, workloads, specs, methods) -> dict:
     prompts = workloads[0].prompts[: args.peer_limit]
     texts = [verifier._decode(ids) if verifier.tokenizer is not None else "" for _, ids in prompts]
     ks = [s.num_speculative_tokens for s in specs if isinstance(s.num_speculative_tokens, int)]
-    draft_src = LLM(args.draft_model, dtype="float32", progress=False).source if args.draft_model else None
+    first_draft = args.draft_model.split(",")[0].strip() if args.draft_model else None
+    draft_src = LLM(first_draft, dtype="float32", progress=False).source if first_draft else None
     setup = PeerSetup([ids for _, ids in prompts], texts, args.max_new_tokens, ks[0] if ks else 5, draft_src,
                       gguf_for(args.model), Path(args.draft_gguf) if args.draft_gguf else None, args.llama_cpp_dir)
     vs = [v.strip() for v in args.vs.split(",") if v.strip()]
@@ -188,7 +211,7 @@ def cmd_drift(args) -> int:
 def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
     from forerun.bench.bench import workloads_from
     from forerun.bench.cell import summarize_cell
-    from forerun.bench.grid import make_methods, run_workload, warm_up
+    from forerun.bench.grid import make_methods, refuse, run_workload, warm_up
     from forerun.cli import _configs
     from forerun.drift import perturb_
     from forerun.llm import LLM
@@ -202,7 +225,7 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
             raise ForerunError(f"--perturb: {e}") from None
     methods = make_methods(verifier, specs)
     workloads = workloads_from(verifier, [s.strip() for s in args.prompts.split(",") if s.strip()], args.limit, args.data_dir)
-    warm_up(verifier, methods, workloads[0].prompts[0][1])
+    refuse(warm_up(verifier, methods, workloads[0].prompts[0][1]))
     cells = []
     for w in workloads:
         pairs = run_workload(verifier, methods, w, params)

@@ -1,57 +1,90 @@
-"""Plain vs speculative decoding, side by side in one process, on a prompt set.
-
-Runs alternate (plain first on even prompts, speculative first on odd ones) so that
-machine noise lands on both. Speedup is summed plain wall time / summed speculative
-wall time, prefill included, as a user would see it, with a 95% bootstrap interval over
-prompts and a verdict (faster / slower / within noise).
+"""`forerun compare`: one method against plain decoding on one prompt set, printed as a short
+report. It is a one-cell `forerun bench`: the set's first prompts are one workload, run by
+grid.run_workload (plain and speculative alternating per prompt, after a warm-up) and
+summed up by cell.summarize_cell (speedup with its 95% bootstrap interval over prompts,
+acceptance, tau, decode-only tok/s, the drafter's cost). What a single comparison adds:
+where greedy outputs part and the verifier's top-2 logit gap there (a near-tie that lower
+precision can flip), and below float32 the top-1 agreement with float32 on a fixed text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import sys
 
-
-from forerun.bench.spread import ratio_interval, verdict
+from forerun.bench.bench import prompt_ids
+from forerun.bench.cell import PairRun, summarize_cell
+from forerun.bench.grid import Workload, make_methods, refuse, run_workload, warm_up
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.metrics import SpecStats, merge
-from forerun.prompts import Prompt
+from forerun.errors import ForerunError
+from forerun.llm import LLM
+
+FIXED_TEXT = (
+    "Speculative decoding lets a cheap drafter propose several tokens that the large model then checks "
+    "in a single forward pass. def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+)
 
 
-@dataclass
-class PromptRun:
-    prompt: Prompt
-    ids: list[int]  # the prompt's token ids as fed to the model
-    plain: list[int]  # generated token ids
-    spec: list[int]
-    plain_stats: SpecStats
-    spec_stats: SpecStats
+def cmd_compare(args) -> int:
+    import torch
 
-    @property
-    def identical(self) -> bool:
-        return self.plain == self.spec
+    from forerun.bench.spread import busy_note
+    from forerun.cli import _configs
+    from forerun.prompts import load_prompts
 
-    def first_divergence(self) -> int | None:
-        for i, (a, b) in enumerate(zip(self.plain, self.spec)):
-            if a != b:
-                return i
-        return None if len(self.plain) == len(self.spec) else min(len(self.plain), len(self.spec))
-
-
-def prompt_ids(llm, prompt: Prompt) -> list[int]:
-    text = llm.apply_chat_template([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
-    return llm.encode([text])[0]
+    params, spec = _configs(args)
+    if not spec.enabled:
+        raise ForerunError("compare needs a speculative method and --k >= 1")
+    prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)
+    llm = LLM(model=args.model, dtype=args.dtype, speculative=None)
+    work = Workload(args.prompts, [(p.id, prompt_ids(llm, p)) for p in prompts])
+    report = {"prompts": args.prompts, "dtype": args.dtype, "max_new_tokens": params.max_tokens,
+              "temperature": params.temperature, **run_compare(llm, work, params, spec)}
+    report["warnings"] = [w for w in [busy_note(torch.get_num_threads())] if w]
+    if args.dtype != "float32":
+        ref = LLM(model=args.model, dtype="float32", speculative=None, progress=False)
+        report["top1_agreement_vs_float32"] = top1_agreement(llm.model, ref.model, llm.encode([FIXED_TEXT])[0])
+    print(json.dumps(report, indent=2) if args.json else "\n".join(report_lines(report)))
+    return 0
 
 
-def run_pair(llm, prompt: Prompt, params: SamplingParams, spec: SpeculativeConfig, spec_first: bool) -> PromptRun:
-    ids = prompt_ids(llm, prompt)
-    order = [spec, None] if spec_first else [None, spec]
-    outs = {}
-    for which in order:
-        outs[which is None] = llm.generate([ids], params, speculative=which)[0]
-    plain, fast = outs[True], outs[False]
-    return PromptRun(prompt, ids, plain.token_ids, fast.token_ids, plain.stats, fast.stats)
+def run_compare(llm: LLM, work: Workload, params: SamplingParams, spec: SpeculativeConfig, progress: bool = True) -> dict:
+    """The cell of `spec` against plain decoding on `work`, with `divergences` (greedy only)."""
+    from tqdm import tqdm
+
+    methods = make_methods(llm, [spec])
+    refuse(warm_up(llm, methods, work.prompts[0][1]))
+    m = methods[0]
+    with tqdm(total=2 * len(work.prompts), desc="runs", unit="run", file=sys.stderr, disable=not progress) as bar:
+        pairs = run_workload(llm, methods, work, params, tick=bar.update)[m.label]
+    cell = summarize_cell(work.category, m.label, m.k, pairs, params.greedy)
+    cell["divergences"] = divergences(llm, dict(work.prompts), pairs) if params.greedy else []
+    return cell
 
 
-def top2_gap(llm, ids: list[int], generated: list[int], pos: int) -> float:
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (a shorter one differs where it ends).
+    >>> first_divergence([1, 2, 3], [1, 2, 4]), first_divergence([1, 2], [1, 2, 3]), first_divergence([1], [1])
+    (2, 2, None)
+    """
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergences(llm: LLM, ids: dict[str, list[int]], pairs: list[PairRun]) -> list[dict]:
+    """Per prompt whose speculative output parts from the plain one inside the plain output:
+    where, and the verifier's top-2 logit gap at that point."""
+    out = []
+    for p in pairs:
+        pos = first_divergence(p.plain_tokens, p.spec_tokens)
+        if pos is not None and pos < len(p.plain_tokens):
+            gap = top2_gap(llm, ids[p.prompt_id], p.plain_tokens, pos)
+            out.append({"id": p.prompt_id, "position": pos, "top2_logit_gap": gap})
+    return out
+
+
+def top2_gap(llm: LLM, ids: list[int], generated: list[int], pos: int) -> float:
     """Verifier's top-1 minus top-2 logit where the plain run chose generated[pos]:
     a small gap means a near-tie that lower precision can flip."""
     logits = llm.model.score(ids + generated[:pos], last_only=True)
@@ -59,83 +92,29 @@ def top2_gap(llm, ids: list[int], generated: list[int], pos: int) -> float:
     return float(top[0] - top[1])
 
 
-def summarize(llm, runs: list[PromptRun], params: SamplingParams, spec: SpeculativeConfig) -> dict:
-    plain, fast = merge([r.plain_stats for r in runs]), merge([r.spec_stats for r in runs])
-    plain_s, spec_s = [r.plain_stats.wall_time for r in runs], [r.spec_stats.wall_time for r in runs]
-    t_plain, t_spec = sum(plain_s), sum(spec_s)
-    matches = [r.identical for r in runs]
-    low, high = ratio_interval(plain_s, spec_s)
-    return {
-        "method": spec.method,
-        "k": spec.num_speculative_tokens,
-        "dtype": llm.dtype,
-        "n_prompts": len(runs),
-        "max_new_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "autoregressive": _side(plain),
-        "speculative": {
-            **_side(fast),
-            "acceptance_rate": fast.acceptance_rate,
-            "mean_accepted_length": fast.mean_accepted_length,
-            "drafted": fast.drafted,
-            "accepted": fast.accepted,
-            "accepted_at_position": fast.accepted_at,
-            "draft_time_s": fast.draft_time,
-            "verify_time_s": fast.verify_time,
-            "draft_cost_vs_verifier_forward": _draft_cost(plain, fast),
-        },
-        "speedup": t_plain / t_spec if t_spec > 0 else None,
-        "speedup_ci95": [low, high],  # bootstrap over prompts
-        "verdict": verdict(low, high),
-        "identical": all(matches) if params.greedy else None,
-        "match_share": sum(matches) / len(runs) if params.greedy and runs else None,
-        "divergences": _divergences(llm, runs) if params.greedy else [],
-        "per_prompt": [_row(r) for r in runs],
-    }
-
-
-def _draft_cost(plain: SpecStats, fast: SpecStats) -> float | None:
-    """Drafter time per step / one plain verifier forward (decode time per plain step)."""
-    if not fast.verifier_forwards or not plain.verifier_forwards or plain.decode_time <= 0:
-        return None
-    return (fast.draft_time / fast.verifier_forwards) / (plain.decode_time / plain.verifier_forwards)
-
-
-def _side(s: SpecStats) -> dict:
-    return {
-        "tokens_per_s": s.tokens_per_s,
-        "decode_tokens_per_s": s.decode_tokens_per_s,
-        "generated_tokens": s.generated,
-        "verifier_forwards": s.verifier_forwards,
-        "prefill_time_s": s.prefill_time,
-        "decode_time_s": s.decode_time,
-    }
-
-
-def _divergences(llm, runs: list[PromptRun]) -> list[dict]:
-    out = []
-    for r in runs:
-        pos = r.first_divergence()
-        if pos is not None and pos < len(r.plain):
-            out.append({"id": r.prompt.id, "position": pos, "top2_logit_gap": top2_gap(llm, r.ids, r.plain, pos)})
-    return out
-
-
-def _row(r: PromptRun) -> dict:
-    return {
-        "id": r.prompt.id,
-        "category": r.prompt.category,
-        "prompt_tokens": len(r.ids),
-        "plain_tokens_per_s": r.plain_stats.tokens_per_s,
-        "spec_tokens_per_s": r.spec_stats.tokens_per_s,
-        "acceptance_rate": r.spec_stats.acceptance_rate,
-        "mean_accepted_length": r.spec_stats.mean_accepted_length,
-        "identical": r.identical,
-    }
-
-
 def top1_agreement(model_a, model_b, ids: list[int]) -> float:
     """Share of positions where two models' argmax agree on one fixed text (teacher forced)."""
     preds = [m.score(ids).argmax(-1) for m in (model_a, model_b)]
     return float((preds[0] == preds[1]).double().mean())
 
+
+def report_lines(r: dict) -> list[str]:
+    """The printed report (`--json` prints `r` itself)."""
+    low, high = r["speedup_ci95"]
+    cost = f"   drafter cost {r['draft_cost']:.2f} verifier forwards a step" if r.get("draft_cost") is not None else ""
+    lines = [
+        f"{r['prompts']}: {r['n_prompts']} prompts, {r['method']}, dtype {r['dtype']}, temperature {r['temperature']}",
+        f"  plain        {r['plain_tokens_per_s']:7.2f} tok/s  (decode {r['plain_decode_tokens_per_s']:.2f})",
+        f"  speculative  {r['tokens_per_s']:7.2f} tok/s  (decode {r['decode_tokens_per_s']:.2f})",
+        f"  speedup {r['speedup']:.2f}x  (95% interval over prompts {low:.2f}-{high:.2f}x: {r['verdict']})",
+        f"  acceptance {r['acceptance_rate']:.1%}   mean accepted length {r['tau']:.2f} "
+        f"(predicted from acceptance {r['predicted_tau']:.2f}){cost}",
+    ]
+    if r["identical"] is not None:
+        lines.append(f"  identical to plain: {r['identical']}  (match share {r['match_share']:.0%})")
+    lines += [f"    {d['id']}: first differs at token {d['position']}, top-2 logit gap {d['top2_logit_gap']:.4f}"
+              for d in r["divergences"]]
+    lines += [f"  warning: {w}" for w in r.get("warnings", [])]
+    if "top1_agreement_vs_float32" in r:
+        lines.append(f"  top-1 agreement with float32 on a fixed text: {r['top1_agreement_vs_float32']:.1%}")
+    return lines

@@ -14,6 +14,7 @@ from typing import Callable
 
 from forerun.bench.cell import PairRun
 from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.errors import ForerunError
 from forerun.llm import LLM
 
 
@@ -35,36 +36,59 @@ class Workload:
 
 
 def method_label(spec: SpeculativeConfig) -> str:
-    """>>> method_label(SpeculativeConfig("ngram", 5))
-    'ngram k=5'
+    """A cell's name from its config.
+    >>> method_label(SpeculativeConfig("ngram", 5)), method_label(SpeculativeConfig("ngram", 5, ngram_branches=3))
+    ('ngram k=5', 'ngram tree x3 k=5')
     """
     extra = f" tree x{spec.ngram_branches}" if spec.method == "ngram" and spec.ngram_branches > 1 else ""
     return f"{spec.method}{extra} k={spec.num_speculative_tokens}"
 
 
-def make_methods(verifier: LLM, specs: list[SpeculativeConfig]) -> list[Method]:
+def make_methods(verifier: LLM, specs: list[SpeculativeConfig], labels: list[str] | None = None) -> list[Method]:
     """One Method per config, sharing the verifier's weights and tokenizer; a draft model
-    named by a string is loaded once and shared by every config naming it."""
+    named by a string is loaded once and shared by every config naming it. Labels (default:
+    method_label) are the cells' keys, so two configs that differ only in their draft model
+    get its name too ("draft_model k=5 (smollm2-135m)")."""
+    labels = labels or [method_label(s) for s in specs]
     drafts: dict[tuple, LLM] = {}
     out = []
-    for spec in specs:
+    for spec, label in zip(specs, labels):
+        if labels.count(label) > 1 and spec.draft_model is not None:
+            label += f" ({getattr(spec.draft_model, 'name', spec.draft_model)})"
+        if any(m.label == label for m in out):
+            raise ForerunError(f"{label} is listed twice")
         if isinstance(spec.draft_model, str):
             key = (spec.draft_model, spec.draft_dtype or verifier.dtype)
             if key not in drafts:
                 drafts[key] = LLM(model=spec.draft_model, dtype=key[1], speculative=None, progress=False)
             spec = dataclasses.replace(spec, draft_model=drafts[key])
         wrapper = LLM(model=verifier.model, dtype=verifier.dtype, tokenizer=verifier.tokenizer, speculative=spec)
-        out.append(Method(method_label(spec), spec, wrapper))
+        wrapper.name, wrapper.source = verifier.name, verifier.source  # same weights: layer-skip profiles key on the name
+        out.append(Method(label, spec, wrapper))
     return out
 
 
-def warm_up(verifier: LLM, methods: list[Method], ids: list[int]):
+def warm_up(verifier: LLM, methods: list[Method], ids: list[int]) -> dict[str, str]:
     """Build every drafter and warm every path (a full-length prefill included) on one
-    prompt before anything is timed."""
+    prompt before anything is timed. Returns {label: why} for the methods whose drafter
+    cannot run on this verifier (a ForerunError: `quantized` under an int8 verifier,
+    `layer_skip` without a tune-skip profile), for the caller to leave out or refuse."""
     params = SamplingParams(temperature=0, max_tokens=6)
     verifier.generate([ids], params, speculative=None)
+    failed = {}
     for m in methods:
-        m.llm.generate([ids], params, speculative=m.spec)
+        try:
+            m.llm.generate([ids], params, speculative=m.spec)
+        except ForerunError as e:
+            failed[m.label] = str(e)
+    return failed
+
+
+def refuse(failed: dict[str, str]):
+    """For callers that need every method: the first drafter that could not run, as the error."""
+    if failed:
+        label, why = next(iter(failed.items()))
+        raise ForerunError(f"{label}: {why}")
 
 
 def run_workload(verifier: LLM, methods: list[Method], work: Workload, params: SamplingParams,
