@@ -208,3 +208,28 @@ def test_bench_leaves_out_a_drafter_that_cannot_run_and_says_why(tmp_path):
     with pytest.raises(ForerunError, match="layer-skip profile"):  # nothing left to run: the error itself
         run_bench(bench_run(tmp_path / "none", [SpeculativeConfig("layer_skip", 2)]))
 
+
+def test_transformers_peers_include_early_exit_with_same_tokens(embedded_dir):
+    """transformers' generate on the embedded model: plain, prompt lookup and the
+    self-speculative early exit (assistant_early_exit), all greedy: lossless, so each gives
+    forerun's plain tokens (float32, same weights)."""
+    from forerun.bench.peers import PeerSetup, run_peers
+
+    verifier = LLM(model=str(embedded_dir), progress=False)
+    ids = verifier.encode([verifier.apply_chat_template([{"role": "user", "content": "Say: red blue red blue"}])])[0]
+    peers = run_peers(verifier, ["transformers"], PeerSetup([ids], [""], 8, 3, exit_layer=10))
+    rows = {r["engine"]: r for r in peers["rows"]}
+    assert list(rows) == ["forerun plain", "transformers plain", "transformers prompt lookup (3)",
+                          "transformers early exit (10 of 30 layers)"], peers["skipped"]
+    assert all(r["same_tokens"] == "1/1" and r["tokens_per_s"] > 0 for r in rows.values())
+
+
+def test_exit_layer_of_the_transformers_peer_defaults_to_half_and_is_checked():
+    from forerun.bench.commands import _exit_layer
+    from forerun.cli import build_parser
+
+    verifier = LLM(tiny_model(seed=0, num_hidden_layers=4))
+    assert _exit_layer(build_parser().parse_args(["bench"]), verifier) == 2
+    assert _exit_layer(build_parser().parse_args(["bench", "--exit-layer", "3"]), verifier) == 3
+    with pytest.raises(ForerunError, match="4 layers"):
+        _exit_layer(build_parser().parse_args(["bench", "--exit-layer", "4"]), verifier)

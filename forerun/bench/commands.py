@@ -33,6 +33,8 @@ def add_parsers(sub, common, fmt):
     b.add_argument("--no-cost", action="store_true", help="skip the cost curve behind the batch-size estimates")
     b.add_argument("--vs", default="", help="peers to run beside forerun: transformers, llama.cpp (comma-separated)")
     b.add_argument("--peer-limit", type=int, default=2, help="prompts (from the first workload) the peers run")
+    b.add_argument("--exit-layer", type=int, default=None, help="early_exit, and transformers' assistant_early_exit: "
+                   "draft with the first N layers (default: half)")
     b.add_argument("--llama-cpp-dir", default=None, help="folder with llama-bench (default: $FORERUN_LLAMA_CPP_BIN)")
     b.add_argument("--draft-gguf", default=None, help="draft GGUF for llama.cpp's draft-model speculation")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -103,6 +105,8 @@ def cmd_bench(args) -> int:
     verifier = LLM(model=args.model, dtype=args.dtype, speculative=None)
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
     workloads = workloads_from(verifier, sets, args.limit, args.data_dir)
+    if args.vs:
+        _exit_layer(args, verifier)  # a bad --exit-layer fails now, not after the run
     meta = {"model": args.model or "smollm2-135m", "dtype": args.dtype, "prompts": args.prompts, "limit": args.limit,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed, "threads": torch.get_num_threads()}
@@ -158,10 +162,20 @@ def _peers(args, verifier, workloads, specs, methods) -> dict:
     first_draft = args.draft_model.split(",")[0].strip() if args.draft_model else None
     draft_src = LLM(first_draft, dtype="float32", progress=False).source if first_draft else None
     setup = PeerSetup([ids for _, ids in prompts], texts, args.max_new_tokens, ks[0] if ks else 5, draft_src,
-                      gguf_for(args.model), Path(args.draft_gguf) if args.draft_gguf else None, args.llama_cpp_dir)
+                      gguf_for(args.model), Path(args.draft_gguf) if args.draft_gguf else None, args.llama_cpp_dir,
+                      exit_layer=_exit_layer(args, verifier))
     vs = [v.strip() for v in args.vs.split(",") if v.strip()]
     print(f"forerun: peers ({', '.join(vs)}) on {len(prompts)} prompts...", file=sys.stderr, flush=True)
     return run_peers(verifier, vs, setup, methods)
+
+
+def _exit_layer(args, verifier) -> int:
+    """transformers' assistant_early_exit: --exit-layer, else half the verifier's layers."""
+    layers = verifier.model.config.num_hidden_layers
+    n = args.exit_layer or max(1, layers // 2)
+    if not 1 <= n < layers:
+        raise ForerunError(f"--exit-layer {n}: the verifier has {layers} layers (draft with 1 to {layers - 1})")
+    return n
 
 
 def gguf_for(model: str | None) -> Path | None:

@@ -1,5 +1,7 @@
 """Peers beside forerun in a bench report: Hugging Face transformers' `generate` (plain,
-prompt lookup, an assistant model) on the same weights and prompts, and llama.cpp's own
+prompt lookup, an assistant model, and its self-speculative early exit, where the first N
+layers under the model's own head draft: `assistant_early_exit=N`) on the same weights and
+prompts, each with how many outputs equal forerun's plain decoding; and llama.cpp's own
 tools on the model's GGUF (llama-bench: plain decoding; llama-speculative-simple: its
 prompt lookup and, given a draft GGUF, draft-model speculation).
 
@@ -41,6 +43,7 @@ class PeerSetup:
     gguf: Path | None = None  # the verifier's GGUF for llama.cpp
     draft_gguf: Path | None = None
     llama_dir: str | None = None
+    exit_layer: int | None = None  # transformers' assistant_early_exit (None: half the layers)
     threads: int = field(default_factory=torch.get_num_threads)
 
 
@@ -89,8 +92,12 @@ def _transformers(verifier, setup: PeerSetup, ref: dict) -> list[dict]:
     engines = {"transformers plain": {}, f"transformers prompt lookup ({setup.k})": {"prompt_lookup_num_tokens": setup.k}}
     if setup.draft_source is not None:
         engines["transformers assistant model"] = {"assistant_model": load(setup.draft_source)}
+    exit_layer = setup.exit_layer or max(1, hf.config.num_hidden_layers // 2)
+    engines[f"transformers early exit ({exit_layer} of {hf.config.num_hidden_layers} layers)"] = {"assistant_early_exit": exit_layer}
     totals = {name: [0, 0.0, 0] for name in engines}
     names = list(engines)
+    for name in names:  # untimed: first-call costs land on no engine
+        _hf_generate(hf, setup.prompts[0], 4, eos, engines[name])
     for i, ids in enumerate(setup.prompts):
         for name in names[i % len(names):] + names[: i % len(names)]:
             toks, dt = _hf_generate(hf, ids, setup.max_new, eos, engines[name])
