@@ -184,11 +184,12 @@ def test_grid_axes_inside_a_method_and_unique_labels():
     from forerun.bench.commands import specs_from
     from forerun.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "--methods", "ngram,draft_model,lookahead", "--k", "3",
+    args = build_parser().parse_args(["bench", "--methods", "ngram,draft_model,lookahead,medusa", "--k", "3",
                                       "--ngram-branches", "1,3", "--draft-model", "a,b"])
     specs = specs_from(args)
     assert [(s.method, s.ngram_branches, s.draft_model) for s in specs] == [
-        ("ngram", 1, None), ("ngram", 3, None), ("draft_model", 1, "a"), ("draft_model", 1, "b"), ("lookahead", 1, None)]
+        ("ngram", 1, None), ("ngram", 3, None), ("draft_model", 1, "a"), ("draft_model", 1, "b"), ("lookahead", 1, None),
+        ("medusa", 1, "a"), ("medusa", 1, "b")]  # self drafters read no draft model; heads are folders like models
     verifier = LLM(tiny_model(seed=0, num_hidden_layers=2))
     drafts = [LLM(tiny_model(seed=s, num_hidden_layers=1)) for s in (1, 2)]
     for d, name in zip(drafts, ("small", "smaller")):

@@ -25,8 +25,9 @@ def add_parsers(sub, common, fmt):
     b.add_argument("--limit", type=int, default=3, help="prompts per workload")
     b.add_argument("--method", "--methods", dest="methods", default="ngram", help="comma-separated drafters")
     b.add_argument("--k", default="5", help="comma-separated draft lengths, 'auto' included (e.g. 3,5,auto)")
-    b.add_argument("--draft-model", default=None, help="draft_model: comma-separated draft models (same forms as "
-                   "--model; another tokenizer is bridged), one cell each; the first is transformers' assistant")
+    b.add_argument("--draft-model", default=None, help="comma-separated draft models for draft_model (same forms as "
+                   "--model; another tokenizer is bridged; the first is transformers' assistant) or head folders "
+                   "for medusa / eagle: one cell each")
     b.add_argument("--ngram-branches", default="1", help="ngram: comma-separated tree widths (1 = chain), one cell each")
     b.add_argument("--out", default="forerun-bench", help="report folder (bench.json, report.md/.html, PNGs)")
     b.add_argument("--resume", action="store_true", help="keep the cells already in OUT/bench.json, run the rest")
@@ -78,15 +79,20 @@ def specs_from(args) -> list:
     return specs
 
 
+# Drafters that never read --draft-model: their cells get none, whatever the grid lists.
+SELF_DRAFTERS = {"ngram", "layer_skip", "early_exit", "quantized", "lookahead"}
+
+
 def _variants(method: str, args) -> list[dict]:
-    """The grid's axis inside one method: each draft model of a draft_model, each tree
-    width of an n-gram drafter (both comma-separated on the command line)."""
+    """The grid's axis inside one method: each listed draft model (or head folder) of a
+    method that reads one, each tree width of the n-gram drafter (both comma-separated on
+    the command line)."""
     from forerun.cli import _int_list
 
-    if method == "draft_model" and args.draft_model:
-        return [{"draft_model": d.strip()} for d in args.draft_model.split(",") if d.strip()]
     if method == "ngram":
         return [{"ngram_branches": b} for b in _int_list(str(args.ngram_branches)) or (1,)]
+    if method not in SELF_DRAFTERS and args.draft_model:
+        return [{"draft_model": d.strip()} for d in args.draft_model.split(",") if d.strip()]
     return [{}]
 
 
@@ -159,7 +165,7 @@ def _peers(args, verifier, workloads, specs, methods) -> dict:
     prompts = workloads[0].prompts[: args.peer_limit]
     texts = [verifier._decode(ids) if verifier.tokenizer is not None else "" for _, ids in prompts]
     ks = [s.num_speculative_tokens for s in specs if isinstance(s.num_speculative_tokens, int)]
-    first_draft = args.draft_model.split(",")[0].strip() if args.draft_model else None
+    first_draft = next((s.draft_model for s in specs if s.method == "draft_model" and s.draft_model), None)
     draft_src = LLM(first_draft, dtype="float32", progress=False).source if first_draft else None
     setup = PeerSetup([ids for _, ids in prompts], texts, args.max_new_tokens, ks[0] if ks else 5, draft_src,
                       gguf_for(args.model), Path(args.draft_gguf) if args.draft_gguf else None, args.llama_cpp_dir,
