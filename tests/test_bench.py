@@ -178,7 +178,7 @@ def test_advisor_prefers_a_proven_gain_over_a_wider_higher_point():
     assert a.use and a.method == "ngram k=5"
 
 
-def test_grid_axes_inside_a_method_and_unique_labels():
+def test_grid_axes_inside_a_method_and_unique_labels(tmp_path):
     """`--draft-model a,b` and `--ngram-branches 1,3` grid like k; cells that differ only in
     their draft model are named apart by it."""
     from forerun.bench.commands import specs_from
@@ -199,6 +199,8 @@ def test_grid_axes_inside_a_method_and_unique_labels():
     assert [m.label for m in methods] == ["draft_model k=3 (small)", "draft_model k=3 (smaller)", "ngram tree x3 k=3"]
     with pytest.raises(ForerunError, match="listed twice"):
         make_methods(verifier, [SpeculativeConfig("ngram", 3)] * 2)
+    heads = make_methods(verifier, [SpeculativeConfig("medusa", 3, draft_model=str(tmp_path))])[0]
+    assert heads.spec.draft_model == str(tmp_path)  # a head folder stays a path for its drafter to load
 
 
 def test_bench_leaves_out_a_drafter_that_cannot_run_and_says_why(tmp_path):

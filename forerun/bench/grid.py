@@ -45,10 +45,10 @@ def method_label(spec: SpeculativeConfig) -> str:
 
 
 def make_methods(verifier: LLM, specs: list[SpeculativeConfig], labels: list[str] | None = None) -> list[Method]:
-    """One Method per config, sharing the verifier's weights and tokenizer; a draft model
-    named by a string is loaded once and shared by every config naming it. Labels (default:
-    method_label) are the cells' keys, so two configs that differ only in their draft model
-    get its name too ("draft_model k=5 (smollm2-135m)")."""
+    """One Method per config, sharing the verifier's weights and tokenizer; a draft_model's
+    draft model named by a string is loaded once and shared by every config naming it.
+    Labels (default: method_label) are the cells' keys, so two configs that differ only in
+    their draft model get its name too ("draft_model k=5 (smollm2-135m)")."""
     labels = labels or [method_label(s) for s in specs]
     drafts: dict[tuple, LLM] = {}
     out = []
@@ -57,7 +57,7 @@ def make_methods(verifier: LLM, specs: list[SpeculativeConfig], labels: list[str
             label += f" ({getattr(spec.draft_model, 'name', spec.draft_model)})"
         if any(m.label == label for m in out):
             raise ForerunError(f"{label} is listed twice")
-        if isinstance(spec.draft_model, str):
+        if spec.method == "draft_model" and isinstance(spec.draft_model, str):  # (medusa / eagle: a head folder)
             key = (spec.draft_model, spec.draft_dtype or verifier.dtype)
             if key not in drafts:
                 drafts[key] = LLM(model=spec.draft_model, dtype=key[1], speculative=None, progress=False)
