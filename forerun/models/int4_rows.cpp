@@ -33,7 +33,13 @@ void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const floa
 // u[out l, k = 64g + 8i + 4 + j] in its high nibble: each nibble plane is one VNNI operand
 // (16 outputs x 4 consecutive inputs). d, m: [Mp/16, G, 16] float16.
 constexpr int64_t OUT_BLOCK = 16, GROUP = 64, VECS = 8, MAX_TOKENS = 8;
-constexpr int CHUNK_BLOCKS = 2;  // output blocks sharing each token broadcast (M padded to 32)
+constexpr int CHUNK_BLOCKS = 2;
+// Many tokens make the dots slow enough that the hardware prefetcher falls behind DRAM:
+// ask for the weights 16 groups (8 KB) ahead into L2, so streaming overlaps the arithmetic
+// (the 1.5B's linears, 8 tokens: ~56 ms without, ~40 ms with; 1-2 tokens are memory-bound
+// already and run without).
+constexpr int64_t PREFETCH_GROUPS = 16;
+constexpr int PREFETCH_MIN_TOKENS = 3;
 
 static inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -41,17 +47,17 @@ static inline float half_to_float(uint16_t h) {
 
 // out[(b * TB + t) * 16 + l] = S for output block b of the chunk (CHUNK_BLOCKS blocks of 16
 // outputs), token t (of TB) and lane l. Each 64-byte weight load serves every token of the
-// tile; each token's 4 activation bytes are broadcast once for all the chunk's blocks.
+// tile; each token's 4 activation bytes are broadcast once for the CB blocks (CB = 2 for 1-2
+// tokens; for more, one block at a time keeps TB int and TB float accumulators in registers).
 // VNNI multiplies unsigned by signed bytes: the weights' nibbles are the unsigned side,
 // the activations a = q - zero (in [-64, 64]) the signed one.
 // Few tokens (SPLIT): low nibbles as v & 0x0F, high ones as v & 0xF0 = 16u into a second
 // accumulator, joined as lo + (hi >> 4) (one op less per load, twice the chains); many
 // tokens: (v >> 4) & 0x0F into the same accumulator (registers are short). Both give the
 // same exact int32 dot product, so the tile size never changes a bit.
-template <int TB, bool SPLIT>
+template <int TB, bool SPLIT, int CB>
 static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int64_t G, const uint8_t* w,
                               const uint16_t* d, const uint16_t* m, float* out) {
-  constexpr int CB = CHUNK_BLOCKS;
   const int64_t block_bytes = G * VECS * 64;
 #ifdef FORERUN_VNNI4
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
@@ -65,6 +71,10 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int6
         acc[b][t] = _mm512_setzero_si512();
         if constexpr (SPLIT) acc2[b][t] = _mm512_setzero_si512();
       }
+    if (TB >= PREFETCH_MIN_TOKENS)  // blocks are contiguous: past a block's end this reads the next one's
+      for (int b = 0; b < CB; ++b)
+        for (int i = 0; i < VECS; ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + ((g + PREFETCH_GROUPS) * VECS + i) * 64), _MM_HINT_T1);
     for (int i = 0; i < VECS; ++i) {
       __m512i lo[CB], hi[CB];
       for (int b = 0; b < CB; ++b) {
@@ -117,6 +127,15 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int6
         out[(b * TB + t) * OUT_BLOCK + l] = s;
       }
 #endif
+}
+
+// Many tokens: one output block at a time (TB accumulators + TB float sums stay in registers).
+template <int TB>
+static inline void one_by_one(const int8_t* a, int64_t Kp, const float* sa, int64_t G, const uint8_t* w,
+                              const uint16_t* d, const uint16_t* m, float* out) {
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
+    chunk_dots<TB, false, 1>(a, Kp, sa, G, w + b * G * VECS * 64, d + b * G * OUT_BLOCK, m + b * G * OUT_BLOCK,
+                             out + b * TB * OUT_BLOCK);
 }
 
 // x [..., K] float32; w [Mp/16, G, 8, 64] uint8; d, m [Mp/16, G, 16] float16;
@@ -175,14 +194,14 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
         const int8_t* qt = act.data() + t0 * Kp;
         const float* st = sa.data() + t0 * G;
         switch (TB) {
-          case 1: chunk_dots<1, true>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 2: chunk_dots<2, true>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 3: chunk_dots<3, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 4: chunk_dots<4, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 5: chunk_dots<5, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 6: chunk_dots<6, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 7: chunk_dots<7, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          default: chunk_dots<8, false>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 1: chunk_dots<1, true, 2>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 2: chunk_dots<2, true, 2>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 3: one_by_one<3>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 4: one_by_one<4>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 5: one_by_one<5>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 6: one_by_one<6>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 7: one_by_one<7>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          default: one_by_one<8>(qt, Kp, st, G, wc, dc, mc, acc); break;
         }
         for (int b = 0; b < CHUNK_BLOCKS; ++b) {
           const int64_t j0 = (b0 + b) * OUT_BLOCK, n = std::min<int64_t>(OUT_BLOCK, M - j0);
