@@ -1,0 +1,58 @@
+"""`forerun train`: its flags (from TrainConfig's defaults) and the command."""
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+
+from forerun.train.config import TrainConfig
+
+HELP = {
+    "method": "the head to train",
+    "out": "folder for the head (head.safetensors + head.json), the trainer state, the features cache and loss.png",
+    "data": "training text, repeatable: a file (.txt/.md/.rst/.py/.jsonl), a folder, or pkg:NAME for an installed "
+            "package's source and docs (the benchmark prompt sets and Python's standard library are refused)",
+    "model": "the verifier the head drafts for (model folder, .gguf, hub id, or embedded name; default smollm2-135m)",
+    "dtype": "verifier precision while computing its hidden states",
+    "device": "cpu or cuda",
+    "num_heads": "medusa: number of heads (longest draft)",
+    "seq_len": "tokens per training chunk",
+    "max_tokens": "tokens read from --data at most",
+    "eval_chunks": "held-out chunks for the loss and draft accuracy",
+    "batch": "chunks per optimizer step",
+    "steps": "optimizer steps",
+    "lr": "peak learning rate (AdamW)",
+    "warmup": "linear warm-up steps (then linear decay to 10%% of --lr)",
+    "eval_every": "steps between held-out evaluations",
+    "save_every": "steps between checkpoints",
+    "seed": "seed for the data order, the split and the initial weights",
+    "max_minutes": "stop after this many minutes, saving a checkpoint (--resume continues)",
+    "resume": "continue the run saved in --out (same arguments)",
+}
+
+
+def add_parser(sub, fmt) -> None:
+    t = sub.add_parser("train", formatter_class=fmt, help="train a Medusa or EAGLE draft head for a verifier")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "method":
+            t.add_argument(flag, required=True, choices=["medusa", "eagle"], help=HELP[f.name])
+        elif f.name == "out":
+            t.add_argument(flag, required=True, help=HELP[f.name])
+        elif f.name == "data":
+            t.add_argument(flag, action="append", default=[], help=HELP[f.name])
+        elif f.name == "resume":
+            t.add_argument(flag, action="store_true", help=HELP[f.name])
+        elif f.name == "max_minutes":
+            t.add_argument(flag, type=float, default=None, help=HELP[f.name])
+        else:
+            kind = str if f.type in ("str", "str | None") else {"int": int, "float": float}[f.type]
+            t.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
+
+
+def cmd_train(args) -> int:
+    from forerun.train.loop import train
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    out = train(cfg)
+    print(f"head: {out} (load it with --method {cfg.method} --draft-model {out}); loss curve: {out / 'loss.png'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,68 @@
+"""Training losses and held-out accuracies for the heads (pure functions of tensors).
+
+Targets are the verifier's own next-token distributions, p_m = softmax(lm_head(h_m)) for
+chunk position m (the law of token m + 1), so a head learns what the verifier would say,
+not what the text says. With a chunk of T tokens and its hidden states h [B, T, H]:
+  Medusa head i at position t predicts token t + 2 + i: target p_{t+1+i}, t = 0 .. T-2-i.
+  EAGLE pair j = (h_j, x_{j+1}), j = 0 .. T-2, guesses h_{j+1}: smooth-L1 to h_{j+1} plus
+        0.1 x cross-entropy of lm_head(guess) against p_{j+1} (EAGLE's weighting).
+Accuracy is top-1 agreement with the verifier (argmax of the head's distribution ==
+argmax of p): the chance a greedy draft token is accepted, teacher-forced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from forerun.kv_cache import chain_batch
+
+EAGLE_CE_WEIGHT = 0.1
+
+
+@dataclass
+class Objective:
+    loss: torch.Tensor  # scalar, differentiable in the head's parameters
+    accuracy: list[float]  # top-1 agreement: per Medusa head, or [EAGLE's next-token guess]
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum_v p(v) log q(v); [..., V] each (equal to KL(p || q) + H(p)).
+    >>> z = torch.tensor([[0.0, 0.0]])
+    >>> round(float(soft_cross_entropy(z, torch.log_softmax(z, -1))), 4)  # log 2
+    0.6931
+    """
+    return -(teacher_logp.exp() * torch.log_softmax(student_logits, dim=-1)).sum(-1).mean()
+
+
+def agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> float:
+    return float((student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean())
+
+
+def medusa_objective(heads, lm_head, hidden: torch.Tensor) -> Objective:
+    """hidden [B, T, H] float32 (frozen verifier states) -> loss averaged over the K heads."""
+    T, K = hidden.shape[1], heads.config.num_heads
+    with torch.no_grad():
+        teacher = torch.log_softmax(lm_head(hidden[:, 1:]), dim=-1)  # [B, T-1, V]: p_1 .. p_{T-1}
+    feats = heads(hidden[:, : T - 1])  # [B, T-1, K, H]
+    loss, acc = hidden.new_zeros(()), []
+    for i in range(min(K, T - 1)):
+        n = T - 1 - i  # positions t = 0 .. T-2-i; target p_{t+1+i} = teacher[:, t + i]
+        student = lm_head(feats[:, :n, i])
+        loss = loss + soft_cross_entropy(student, teacher[:, i : i + n])
+        acc.append(agreement(student, teacher[:, i : i + n]))
+    return Objective(loss / K, acc)
+
+
+def eagle_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Tensor) -> Objective:
+    """hidden [B, T, H] float32, tokens [B, T] -> EAGLE's loss over the T - 1 pairs."""
+    B, T, _ = hidden.shape
+    batch = chain_batch(tokens[:, 1:].tolist(), [0] * B, list(range(B)), hidden.device)  # pair j at position j
+    guess = head(hidden[:, :-1], embed(batch.tokens).to(hidden.dtype), batch, head.new_cache(B, T - 1))  # [B, T-1, H]
+    target = hidden[:, 1:]
+    with torch.no_grad():
+        teacher = torch.log_softmax(lm_head(target), dim=-1)
+    student = lm_head(guess)
+    loss = F.smooth_l1_loss(guess, target) + EAGLE_CE_WEIGHT * soft_cross_entropy(student, teacher)
+    return Objective(loss, [agreement(student, teacher)])

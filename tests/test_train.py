@@ -1,0 +1,182 @@
+"""forerun train on a tiny verifier: train, save, load and draft; exact resume; refusals."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from forerun.cli import build_parser
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.errors import ConfigError
+from forerun.heads.fingerprint import verifier_fingerprint
+from forerun.llm import LLM
+from forerun.train import data
+from forerun.train.command import cmd_train  # noqa: F401  (the CLI entry imports)
+from forerun.train.config import TrainConfig
+from forerun.train.loop import train
+from tests.tiny import tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=30)
+
+
+class CharTokenizer:
+    """Ids 0..31 of the tiny vocabulary as the characters '@'..'_' (0, '@', is EOS)."""
+
+    eos_token_ids = {0}
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) - 64 if 64 < ord(c) < 96 else 1 + ord(c) % 31 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(64 + i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return LLM(tiny_model(seed=0, logit_scale=4.0), tokenizer=CharTokenizer())
+
+
+@pytest.fixture(scope="module")
+def corpus(verifier, tmp_path_factory):
+    """The verifier's own greedy continuations of random prompts (self-distilled text: what
+    it will be asked to draft), in three file formats."""
+    root = tmp_path_factory.mktemp("corpus")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 32, (90, 6), generator=g).tolist()
+    outs = verifier.generate(prompts, SamplingParams(temperature=0, max_tokens=50), speculative=None)
+    texts = [verifier.tokenizer.decode(p + o.token_ids) for p, o in zip(prompts, outs)]
+    (root / "a.txt").write_text("\n".join(texts[:30]))
+    (root / "b.md").write_text("\n".join(texts[30:60]))
+    (root / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[60:]))
+    return root
+
+
+def _cfg(out, corpus, method, **over):
+    base = dict(method=method, out=str(out), data=[str(corpus)], seq_len=32, max_tokens=6000, eval_chunks=4,
+                batch=4, steps=40, lr=1e-2, warmup=2, eval_every=20, save_every=20, seed=0, num_heads=3)
+    base.update(over)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_train_then_load_and_draft(verifier, corpus, tmp_path, method):
+    out = train(_cfg(tmp_path / "h", corpus, method), verifier=verifier)
+    for name in ("head.safetensors", "head.json", "trainer.safetensors", "trainer.json", "features.safetensors", "loss.png"):
+        assert (out / name).stat().st_size > 0, name
+    card = json.loads((out / "head.json").read_text())
+    assert card["method"] == method and card["verifier"]["fingerprint"] == verifier_fingerprint(verifier.model)
+    history = json.loads((out / "trainer.json").read_text())["history"]
+    evals = [h for h in history if "eval_loss" in h]
+    assert [e["step"] for e in evals] == [0, 20, 40]  # the untrained head, then every --eval-every
+    assert evals[-1]["eval_loss"] < 0.9 * evals[0]["eval_loss"]  # it learned the verifier's behaviour, held out
+    if method == "eagle":  # (an untrained Medusa head repeats the verifier's next token: on this repetitive
+        assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"] + 0.1  # text a strong baseline for 40 steps)
+    assert card["training"]["held_out_accuracy"] == evals[-1]["eval_accuracy"]
+    # the saved head drafts for its verifier: greedy output is plain decoding's, drafts get accepted
+    prompts = torch.randint(1, 32, (4, 6), generator=torch.Generator().manual_seed(9)).tolist()
+    plain = verifier.generate(prompts, GREEDY, speculative=None)
+    got = verifier.generate(prompts, GREEDY, speculative=SpeculativeConfig(method, 3, draft_model=str(out)))
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert sum(o.stats.accepted for o in got) > 0
+
+
+class FutureHeads:
+    """Medusa 'heads' that cheat: head i at position t returns the true h_{t+1+i}."""
+
+    def __init__(self, hidden, k):
+        self.hidden, self.config = hidden, TrainConfig.__new__(TrainConfig)
+        self.config.num_heads = k
+
+    def __call__(self, h):
+        T, full = h.shape[1], self.hidden
+        pad = lambda i: torch.cat([full[:, 1 + i :], full[:, -1:].expand(-1, i, -1)], 1)[:, :T]  # noqa: E731
+        return torch.stack([pad(i) for i in range(self.config.num_heads)], dim=2)
+
+
+class FutureEagle:
+    """An EAGLE 'head' that cheats: its guess for pair j is the true h_{j+1}."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+    def new_cache(self, *shape):
+        return None
+
+    def __call__(self, feats, embeds, batch, cache):
+        return self.hidden[:, 1:]
+
+
+def test_objectives_are_aligned_with_the_drafters():
+    """Heads that read the verifier's future states reach the minimum: the loss is the
+    teacher's own entropy and every top-1 guess agrees, so each target sits at the position
+    the drafter reads it from (a shift by one would fail both)."""
+    from forerun.train.objectives import eagle_objective, medusa_objective
+
+    torch.manual_seed(0)
+    hidden, W = torch.randn(2, 9, 8), torch.randn(16, 8)
+    lm_head = lambda h: h @ W.T  # noqa: E731
+    logp = torch.log_softmax(lm_head(hidden), -1)  # p_m at position m
+    entropy = lambda a: float(-(logp[:, a:].exp() * logp[:, a:]).sum(-1).mean())  # noqa: E731
+    res = medusa_objective(FutureHeads(hidden, 3), lm_head, hidden)
+    assert res.accuracy == [1.0, 1.0, 1.0]
+    assert abs(float(res.loss) - sum(entropy(1 + i) for i in range(3)) / 3) < 1e-5
+    res = eagle_objective(FutureEagle(hidden), torch.nn.Embedding(16, 8), lm_head, hidden, torch.randint(0, 16, (2, 9)))
+    assert res.accuracy == [1.0] and abs(float(res.loss) - 0.1 * entropy(1)) < 1e-5
+
+
+def test_resume_continues_exactly(verifier, corpus, tmp_path):
+    """Interrupted at step 4 (Ctrl-C), resumed: the same weights as an uninterrupted run."""
+    straight = train(_cfg(tmp_path / "a", corpus, "eagle", steps=8, eval_every=3, save_every=100), verifier=verifier)
+
+    def stop(step):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    part = _cfg(tmp_path / "b", corpus, "eagle", steps=8, eval_every=3, save_every=100)
+    train(part, verifier=verifier, on_step=stop)
+    assert json.loads((tmp_path / "b" / "trainer.json").read_text())["steps_done"] == 4
+    part.resume = True
+    train(part, verifier=verifier)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(straight / "head.safetensors")), load_file(str(tmp_path / "b" / "head.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ha = json.loads((straight / "trainer.json").read_text())["history"]
+    hb = json.loads((tmp_path / "b" / "trainer.json").read_text())["history"]
+    assert ha == hb
+
+
+def test_refusals(verifier, corpus, tmp_path):
+    from forerun.prompts import data_dir
+
+    with pytest.raises(ConfigError, match="benchmark prompt sets"):
+        data.check_allowed(data_dir() / "SVAMP.json")
+    with pytest.raises(ConfigError, match="standard library"):
+        data.check_allowed(Path(json.__file__))
+    data.check_allowed(Path(torch.__file__))  # site-packages are fine
+    train(_cfg(tmp_path / "h", corpus, "medusa", steps=2, eval_every=2), verifier=verifier)
+    with pytest.raises(ConfigError, match="already holds a training run"):
+        train(_cfg(tmp_path / "h", corpus, "medusa", steps=2), verifier=verifier)
+    with pytest.raises(ConfigError, match="differ from the run"):
+        train(_cfg(tmp_path / "h", corpus, "medusa", steps=3, resume=True), verifier=verifier)
+    with pytest.raises(ConfigError, match="no installed package"):
+        data.source_files("pkg:no-such-package-here")
+    with pytest.raises(ConfigError, match="at least one text source"):
+        TrainConfig(method="eagle", out=str(tmp_path))
+
+
+def test_jsonl_rows_and_package_sources(tmp_path):
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"text": "a"}\n{"turns": ["b", "c"]}\n"d"\n{"other": 1}\n')
+    assert data.read_texts(f) == ["a", "b", "c", "d"]
+    files = data.source_files("pkg:tqdm")
+    assert files and all(p.suffix in data.TEXT_SUFFIXES for p in files)
+
+
+def test_cli_flags_make_the_config(tmp_path):
+    args = build_parser().parse_args(["train", "--method", "eagle", "--out", str(tmp_path), "--data", "pkg:tqdm",
+                                      "--data", "notes.txt", "--steps", "7", "--lr", "0.001", "--max-minutes", "2"])
+    from dataclasses import fields
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    assert (cfg.method, cfg.data, cfg.steps, cfg.lr, cfg.max_minutes, cfg.resume) == ("eagle", ["pkg:tqdm", "notes.txt"], 7, 0.001, 2.0, False)
