@@ -1,13 +1,19 @@
-"""A small load generator for a running `forerun serve`: C concurrent streaming clients,
-each sending R greedy requests; prints throughput and per-request latency (p50/p95).
+"""A small load generator for a running OpenAI-style server (`forerun serve`, or llama.cpp's
+`llama-server`): C concurrent streaming chat clients, each sending R greedy requests one after
+another; throughput and per-request latency (p50/p95). `forerun.serve.matrix` drives it over
+server configurations; alone it measures a server that is already running:
 
-    python -m forerun.serve.loadgen --url http://127.0.0.1:8000 --clients 1,4,8 --speculative ngram,none
+    python -m forerun.serve.loadgen --url http://127.0.0.1:8000 --clients 1,4,8 --speculative server,none
+
+Client i's j-th request is PROMPTS[(i + j) % len(PROMPTS)], so every record carries its prompt
+index (`prompt`) and its text, which is how greedy identity under concurrency is checked.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import time
 
@@ -21,38 +27,70 @@ PROMPTS = [
 ]
 
 
-async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, spec: str) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if spec != "server":
-        body["speculative"] = {"method": spec}
-    t0, first, tokens = time.perf_counter(), None, 0
+def spec_body(spec: str) -> dict:
+    """Body fields for loadgen's --speculative value: 'server' sends none (the server's own
+    method and k), anything else is forerun's per-request `"speculative": {"method": spec}`."""
+    return {} if spec == "server" else {"speculative": {"method": spec}}
+
+
+async def one(client: httpx.AsyncClient, prompt: int, max_tokens: int, extra: dict) -> dict:
+    """Stream PROMPTS[prompt] greedily; its latency, time to first token, completion tokens
+    (the server's usage count) and text. `extra`: more body fields (forerun's `speculative`)."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[prompt]}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
+    t0, first, tokens, text = time.perf_counter(), None, 0, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif first is None:
-                first = time.perf_counter() - t0
-    return {"latency": time.perf_counter() - t0, "ttft": first or 0.0, "tokens": tokens}
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - t0
+                text.append(piece)
+    return {"prompt": prompt, "latency": time.perf_counter() - t0, "ttft": first or 0.0, "tokens": tokens,
+            "text": "".join(text)}
 
 
-async def run(url: str, clients: int, per_client: int, max_tokens: int, spec: str) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        async def worker(i: int):
-            return [await one(client, PROMPTS[(i + j) % len(PROMPTS)], max_tokens, spec) for j in range(per_client)]
+async def run(url: str, clients: int, per_client: int, max_tokens: int, extra: dict) -> tuple[list[dict], float]:
+    """`clients` concurrent clients, `per_client` requests each; the records and the wall time."""
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        async def worker(i: int) -> list[dict]:
+            return [await one(client, (i + j) % len(PROMPTS), max_tokens, extra) for j in range(per_client)]
 
         t0 = time.perf_counter()
         done = [r for rs in await asyncio.gather(*[worker(i) for i in range(clients)]) for r in rs]
-        wall = time.perf_counter() - t0
-    lat = sorted(r["latency"] for r in done)
-    return {"clients": clients, "speculative": spec, "requests": len(done), "tokens": sum(r["tokens"] for r in done),
-            "wall_s": round(wall, 2), "tok_per_s": round(sum(r["tokens"] for r in done) / wall, 2),
-            "p50_s": round(statistics.median(lat), 2), "p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 2),
-            "ttft_p50_s": round(statistics.median(r["ttft"] for r in done), 3)}
+        return done, time.perf_counter() - t0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least q of the values at or below it.
+
+    >>> percentile([4.0, 1.0, 3.0, 2.0], 0.95), percentile([4.0, 1.0, 3.0, 2.0], 0.5)
+    (4.0, 2.0)
+    >>> percentile(list(range(1, 21)), 0.95)
+    19
+    """
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    """Throughput (completion tokens / wall time) and latency figures of one load run.
+
+    >>> summarize([{"latency": 1.0, "ttft": 0.1, "tokens": 10}, {"latency": 3.0, "ttft": 0.3, "tokens": 30}], 4.0)
+    {'requests': 2, 'tokens': 40, 'wall_s': 4.0, 'tok_per_s': 10.0, 'p50_s': 2.0, 'p95_s': 3.0, 'ttft_p50_s': 0.2}
+    """
+    lat = [r["latency"] for r in records]
+    tokens = sum(r["tokens"] for r in records)
+    return {"requests": len(records), "tokens": tokens, "wall_s": round(wall, 2), "tok_per_s": round(tokens / wall, 2),
+            "p50_s": round(statistics.median(lat), 2), "p95_s": round(percentile(lat, 0.95), 2),
+            "ttft_p50_s": round(statistics.median(r["ttft"] for r in records), 3)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     for spec in args.speculative.split(","):
         for c in [int(x) for x in args.clients.split(",")]:
-            print(json.dumps(asyncio.run(run(args.url, c, args.per_client, args.max_tokens, spec))), flush=True)
+            records, wall = asyncio.run(run(args.url, c, args.per_client, args.max_tokens, spec_body(spec)))
+            print(json.dumps({"clients": c, "speculative": spec, **summarize(records, wall)}), flush=True)
 
 
 if __name__ == "__main__":
