@@ -1,0 +1,77 @@
+"""A server as a subprocess on a free loopback port, for the measurement matrix: started,
+awaited on its /health route, stopped with SIGINT (the graceful stop of uvicorn and of
+llama-server alike), killed only when it does not stop. Its output goes to a log file, whose
+tail is in the error when it fails to start."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A port the OS has just handed out on 127.0.0.1 (free unless someone takes it first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class Launched:
+    """`with Launched(argv, port, log) as url:` runs argv (which must listen on 127.0.0.1:port)
+    until the block ends. `env`: extra environment variables; `timeout`: seconds to wait for
+    /health to answer 200 (a model load, a kernel build the first time)."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None, timeout: float = 900.0):
+        self.argv, self.port, self.log, self.env, self.timeout = argv, port, log, env or {}, timeout
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode} before serving; "
+                                   f"the end of {self.log}:\n{tail(self.log)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet, or llama-server still loading (503)
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.argv[0]} did not answer /health within {self.timeout:.0f} s; "
+                           f"the end of {self.log}:\n{tail(self.log)}")
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """SIGINT, then SIGKILL after `grace` seconds; the exit status (None if it was never started)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
