@@ -60,6 +60,18 @@ def test_greedy_identity(verifier, plain, heads, method, k, shape):
     assert alone == plain
 
 
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plain, heads, method):
+    spec = SpeculativeConfig(method, 3, draft_model=heads[method], tree_width=2, options={"draft_vocab": 12, "tree_nodes": 5})
+    drafted = []
+    d = verifier._drafter(spec)
+    real = d.propose
+    d.propose = lambda *a: [drafted.extend(x.tokens) or x for x in real(*a)]
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    assert drafted and max(drafted) < 12
+
+
 # -- drafts equal a from-scratch computation ------------------------------------------------
 def _drafter(verifier, spec, seq):
     """A drafter that has seen prefill of `seq` (its hidden states), ready to propose."""

@@ -1,7 +1,8 @@
 """Sampling through Medusa and EAGLE heads keeps the verifier's law: chi-square of 12k
 three-token samples against the exact joint distribution (tests/stats_util.py), for the
 chain with q (rejection sampling), Medusa's tree of i.i.d. draws (recursive rejection
-sampling) and EAGLE-2's deterministic tree (the one-hot sibling rule)."""
+sampling), EAGLE-2's deterministic tree (the one-hot sibling rule), and a chain whose q
+covers a reduced draft vocabulary."""
 import pytest
 import torch
 
@@ -15,7 +16,11 @@ from tests.tiny import tiny_model
 N = 12_000
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2]
 PARAMS = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=21)
-SHAPES = {"chain": dict(tree_width=1), "tree": dict(tree_width=2, options={"tree_nodes": 4, "tree_beam": 2})}
+SHAPES = {
+    "chain": dict(tree_width=1),
+    "tree": dict(tree_width=2, options={"tree_nodes": 4, "tree_beam": 2}),
+    "chain-reduced-vocab": dict(tree_width=1, options={"draft_vocab": 5}),  # q is 0 on ids 5..7
+}
 
 
 @pytest.fixture(scope="module")

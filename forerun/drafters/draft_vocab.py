@@ -50,6 +50,20 @@ class ReducedHead(nn.Module):
         return full.index_copy_(-1, self.ids, sub)
 
 
+def head_logits(spec, verifier):
+    """What a head drafter (Medusa, EAGLE) scores its guesses with: the verifier's own LM
+    head (`hidden_to_logits`), or with options["draft_vocab"] = N a ReducedHead over the
+    verifier's head rows for ids 0 .. N-1 + special ids. hidden [..., H] -> logits [..., V]."""
+    keep = spec.options.get("draft_vocab")
+    model = verifier.model
+    if not keep:
+        return model.hidden_to_logits
+    tok = verifier.tokenizer
+    special = set(tok.special_ids) | set(tok.eos_token_ids) if tok is not None else set()
+    V = model.config.vocab_size
+    return ReducedHead(model.lm_head, kept_ids(V, int(keep), special), V, verifier.dtype)
+
+
 def _like(linear: nn.Linear, dtype: str) -> nn.Module:
     """The sub-head on the path the draft model's own linears take for its dtype."""
     if dtype == "int8":

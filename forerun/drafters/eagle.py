@@ -27,8 +27,9 @@ from forerun.sampling import draw
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, model, head, tree: TreeOptions = TreeOptions(), max_depth: int = 8):
+    def __init__(self, model, head, tree: TreeOptions = TreeOptions(), max_depth: int = 8, logits=None):
         self.model, self.head, self.tree, self.max_depth = model, head, tree, max_depth
+        self.logits = logits or model.hidden_to_logits  # hidden [..., H] -> [..., V] (see draft_vocab.head_logits)
         self.features: FeatureStore | None = None
         self.cache: KVCache | None = None
         self.synced: dict[int, int] = {}  # row -> pairs 0 .. synced - 1 hold true features in self.cache
@@ -88,7 +89,7 @@ class EagleDrafter:
         qs = {r.row: [] for r in live}
         rows, pos = list(live), [len(r.tokens) - 1 for r in live]  # the next pair sits at the pending position
         for step in range(max(r.k for r in live)):
-            picked, q = draw(self.model.hidden_to_logits(guess), params, generator)
+            picked, q = draw(self.logits(guess), params, generator)
             for i, r in enumerate(rows):
                 toks[r.row].append(picked[i])
                 if q is not None:
@@ -110,7 +111,8 @@ def _pad_rows(x: torch.Tensor, T: int) -> torch.Tensor:
 
 @register("eagle")
 def _make(spec, verifier, **_) -> EagleDrafter:
+    from forerun.drafters.draft_vocab import head_logits
     from forerun.heads.checkpoint import load_head
 
     head = load_head(spec.draft_model, "eagle", verifier.model).to(verifier.model.dtype)
-    return EagleDrafter(verifier.model, head, TreeOptions.from_spec(spec), max_depth=spec.k_max)
+    return EagleDrafter(verifier.model, head, TreeOptions.from_spec(spec), spec.k_max, head_logits(spec, verifier))

@@ -65,7 +65,7 @@ def _frontier(t: CandidateTree, depth: int, beam: int) -> list[int]:
 
 def _expand(drafter, trees: list[CandidateTree], parents: list[list[int]], feats: torch.Tensor) -> None:
     """Children for node parents[b][i] (-1: the root) from the head's output feats[b, i]."""
-    logp = torch.log_softmax(drafter.model.hidden_to_logits(feats).float(), dim=-1)  # [B, T, V]
+    logp = torch.log_softmax(drafter.logits(feats).float(), dim=-1)  # [B, T, V]
     top = logp.topk(min(drafter.tree.width, logp.shape[-1]), dim=-1)
     vals, ids = top.values.tolist(), top.indices.tolist()
     for b, t in enumerate(trees):

@@ -27,8 +27,9 @@ from forerun.sampling import logits_to_probs
 class MedusaDrafter:
     name = "medusa"
 
-    def __init__(self, model, heads, tree: TreeOptions = TreeOptions()):
+    def __init__(self, model, heads, tree: TreeOptions = TreeOptions(), logits=None):
         self.model, self.heads, self.tree = model, heads, tree
+        self.logits = logits or model.hidden_to_logits  # hidden [..., H] -> [..., V] (see draft_vocab.head_logits)
         self.num_heads = heads.config.num_heads
         self.features: FeatureStore | None = None
 
@@ -50,7 +51,7 @@ class MedusaDrafter:
         if not live:
             return [Draft([]) for _ in requests]
         h = self.features.at([r.row for r in live], [len(r.tokens) - 2 for r in live])  # [B, H]
-        logits = self.model.hidden_to_logits(self.heads(h))  # [B, K, V]
+        logits = self.logits(self.heads(h))  # [B, K, V]
         make = self._tree if self.tree.is_tree else self._chain
         drafts = dict(zip((r.row for r in live), make(logits, [min(r.k, self.num_heads) for r in live], params, generator)))
         return [drafts.get(r.row, Draft([])) for r in requests]
@@ -91,7 +92,8 @@ class MedusaDrafter:
 
 @register("medusa")
 def _make(spec, verifier, **_) -> MedusaDrafter:
+    from forerun.drafters.draft_vocab import head_logits
     from forerun.heads.checkpoint import load_head
 
     heads = load_head(spec.draft_model, "medusa", verifier.model).to(verifier.model.dtype)
-    return MedusaDrafter(verifier.model, heads, TreeOptions.from_spec(spec))
+    return MedusaDrafter(verifier.model, heads, TreeOptions.from_spec(spec), head_logits(spec, verifier))
