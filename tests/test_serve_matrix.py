@@ -138,3 +138,29 @@ def test_a_measured_cell_on_the_tiny_server(tmp_path):
     report.write()
     assert "| forerun fixed k=3 | 3 |" in (tmp_path / "matrix.md").read_text()
     assert "- failed: llama plain: did not start" in (tmp_path / "matrix.md").read_text()
+
+
+def test_a_llama_server_style_stream_is_read_like_forerun_s():
+    """Content deltas, then (include_usage) a last chunk with empty choices, usage and llama.cpp's timings."""
+    import asyncio
+
+    import httpx
+
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]},
+              {"choices": [{"index": 0, "delta": {"content": "def area"}}]},
+              {"choices": [{"index": 0, "delta": {"content": "(w, h):"}}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"completion_tokens": 5}, "timings": {"draft_n": 8, "draft_n_accepted": 6}}]
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    def handler(request):
+        body = json.loads(request.content)
+        assert body["temperature"] == 0 and body["cache_prompt"] is False and body["stream_options"]["include_usage"]
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(base_url="http://peer", transport=httpx.MockTransport(handler)) as client:
+            return await loadgen.one(client, 2, 5, matrix_cells.LLAMA_BODY)
+
+    r = asyncio.run(go())
+    assert (r["prompt"], r["text"], r["tokens"], r["drafted"], r["accepted"]) == (2, "def area(w, h):", 5, 8, 6)

@@ -35,10 +35,11 @@ def spec_body(spec: str) -> dict:
 
 async def one(client: httpx.AsyncClient, prompt: int, max_tokens: int, extra: dict) -> dict:
     """Stream PROMPTS[prompt] greedily; its latency, time to first token, completion tokens
-    (the server's usage count) and text. `extra`: more body fields (forerun's `speculative`)."""
+    (the server's usage count), text, and the draft tokens scored / accepted where the server
+    reports them per request (llama-server's `timings`; else None). `extra`: more body fields."""
     body = {"messages": [{"role": "user", "content": PROMPTS[prompt]}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
-    t0, first, tokens, text = time.perf_counter(), None, 0, []
+    t0, first, tokens, text, timings = time.perf_counter(), None, 0, [], {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
@@ -48,18 +49,22 @@ async def one(client: httpx.AsyncClient, prompt: int, max_tokens: int, extra: di
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+            timings = chunk.get("timings") or timings
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece and first is None:
                     first = time.perf_counter() - t0
                 text.append(piece)
     return {"prompt": prompt, "latency": time.perf_counter() - t0, "ttft": first or 0.0, "tokens": tokens,
-            "text": "".join(text)}
+            "text": "".join(text), "drafted": timings.get("draft_n"), "accepted": timings.get("draft_n_accepted")}
 
 
 async def run(url: str, clients: int, per_client: int, max_tokens: int, extra: dict) -> tuple[list[dict], float]:
-    """`clients` concurrent clients, `per_client` requests each; the records and the wall time."""
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+    """`clients` concurrent clients, `per_client` requests each; the records and the wall time.
+    A fresh connection per request: llama-server closes one after a stream, and a pooled
+    connection it has closed fails the next request ("Server disconnected")."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         async def worker(i: int) -> list[dict]:
             return [await one(client, (i + j) % len(PROMPTS), max_tokens, extra) for j in range(per_client)]
 

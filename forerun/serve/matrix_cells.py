@@ -1,9 +1,10 @@
 """The cells of the serve matrix (matrix.py): a server per configuration, the greedy
 reference (each prompt alone), and one measured load per concurrency.
 
-A cell: loadgen's summary of the load, identity against the reference, and for forerun the KV
-blocks in use (/metrics) before the load, at its peak (/health polled every 0.25 s) and once
-the server is idle again, and acceptance = accepted / drafted tokens during the load.
+A cell: loadgen's summary of the load, identity against the reference, acceptance = accepted /
+drafted tokens during the load (forerun: /metrics counters; llama-server: each response's
+`timings`), and for forerun the KV blocks in use (/metrics) before the load, at its peak
+(/health polled every 0.25 s) and once the server is idle again.
 """
 from __future__ import annotations
 
@@ -108,6 +109,9 @@ def measure(url: str, clients: int, args, alone: dict[int, str], extra: dict, fo
     cell = {"clients": clients, **loadgen.summarize(records, wall), "identity": identity(records, alone),
             "loadavg_before": round(load_before, 2), "loadavg_after": round(os.getloadavg()[0], 2),
             "kv_before": None, "kv_peak": peak, "kv_after": None, "kv_total": None, "acceptance": None}
+    drafted = sum(r["drafted"] or 0 for r in records)  # llama-server's own count (timings)
+    if drafted:
+        cell["acceptance"] = sum(r["accepted"] or 0 for r in records) / drafted
     if forerun:
         wait_idle(url)
         after = server_state(url)
