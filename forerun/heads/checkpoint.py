@@ -95,7 +95,7 @@ def _read(folder: Path) -> nn.Module:
     try:
         head = head_cls(cfg_cls(**card["config"]))
         head.load_state_dict(load_file(str(folder / WEIGHTS)))
-    except (TypeError, ValueError, RuntimeError, OSError) as e:
+    except (TypeError, ValueError, RuntimeError, OSError, ConfigError) as e:
         raise ModelLoadError(f"cannot load the head in {folder}: {str(e).splitlines()[0]}") from None
     head.verifier_fingerprint = card["verifier"]["fingerprint"]
     return head

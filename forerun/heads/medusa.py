@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forerun.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class MedusaConfig:
@@ -24,7 +26,7 @@ class MedusaConfig:
 
     def __post_init__(self):
         if self.hidden_size < 1 or not 1 <= self.num_heads <= 16:
-            raise ValueError(f"MedusaConfig needs hidden_size >= 1 and 1 <= num_heads <= 16, got {self}")
+            raise ConfigError(f"Medusa needs hidden_size >= 1 and 1 <= num_heads <= 16, got {self}")
 
     @classmethod
     def for_verifier(cls, model_config, num_heads: int = 4) -> "MedusaConfig":

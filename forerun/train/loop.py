@@ -84,15 +84,16 @@ def _run(cfg: TrainConfig, head, opt, step_fn, train_set, held_out, done: int, h
 
     out, t0, last_eval = Path(cfg.out), time.perf_counter(), _last_eval(history)
     tokens, hidden = train_set
+    dev = next(head.parameters()).device  # features live on the host; batches go where the head is
     if done == 0:  # the starting point of the curve: the untrained head on the held-out chunks
-        history.append(evaluate(step_fn, held_out, cfg.batch) | {"step": 0})
+        history.append(evaluate(step_fn, held_out, cfg.batch, dev) | {"step": 0})
     bar = tqdm(total=cfg.steps, initial=done, desc=f"train {cfg.method}", file=sys.stderr)
     try:
         while done < cfg.steps:
             idx = batch_indices(done, cfg.batch, len(tokens), cfg.seed)
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * lr_scale(done, cfg.warmup, cfg.steps)
-            res = step_fn(hidden[idx].float(), tokens[idx])
+            res = step_fn(hidden[idx].to(dev).float(), tokens[idx].to(dev))
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
@@ -101,7 +102,7 @@ def _run(cfg: TrainConfig, head, opt, step_fn, train_set, held_out, done: int, h
             loss = res.loss.item()
             history.append({"step": done, "loss": loss, "accuracy": res.accuracy[0]})
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                last_eval = evaluate(step_fn, held_out, cfg.batch) | {"step": done}
+                last_eval = evaluate(step_fn, held_out, cfg.batch, dev) | {"step": done}
                 history.append(last_eval)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", held_out_acc=f"{last_eval.get('eval_accuracy', float('nan')):.3f}")
@@ -132,12 +133,12 @@ def _last_eval(history: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(step_fn, held_out, batch: int) -> dict:
+def evaluate(step_fn, held_out, batch: int, device) -> dict:
     """Held-out loss and top-1 agreement (mean over chunks; per Medusa head in _all)."""
     tokens, hidden = held_out
     losses, accs, n = 0.0, None, 0
     for i in range(0, len(tokens), batch):
-        res: Objective = step_fn(hidden[i : i + batch].float(), tokens[i : i + batch])
+        res: Objective = step_fn(hidden[i : i + batch].to(device).float(), tokens[i : i + batch].to(device))
         w = len(tokens[i : i + batch])
         losses += float(res.loss) * w
         accs = [a * w + (accs[j] if accs else 0.0) for j, a in enumerate(res.accuracy)]
