@@ -72,6 +72,40 @@ def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plai
     assert drafted and max(drafted) < 12
 
 
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_adaptive_k_mixes_draft_lengths_and_skipped_rows(verifier, plain, heads, method):
+    """k='auto' gives rows different k per step, 0 included: a row that skips drafting must
+    catch up on every hidden state it missed (EAGLE's head cache) when it drafts again."""
+    spec = SpeculativeConfig(method, "auto", draft_model=heads[method],
+                             options={"k_max": 4, "verify_cost": [1.0, 1.0, 1.05, 1.1, 1.2]})
+    ks = set()
+    d = verifier._drafter(spec)
+    real = d.propose
+    d.propose = lambda reqs, *a: ks.update(r.k for r in reqs) or real(reqs, *a)
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    assert merge([o.stats for o in outs]).accepted > 0
+    assert 0 in ks and len(ks) >= 3, ks
+
+
+def test_int8_chains_equal_int8_plain_decoding():
+    """At int8 (batch-invariant kernels) a chain's verification gives plain decoding's bits."""
+    from forerun.models import int8_kernel
+
+    if int8_kernel.load() is None:
+        pytest.skip("needs the compiled int8 kernels")
+    llm = LLM(tiny_model(seed=0, dtype="int8", hidden_size=64, intermediate_size=128), dtype="int8")
+    plain8 = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, speculative=None)]
+    for method in ("medusa", "eagle"):
+        head = new_head(method, llm.model)
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.normal_(0, 0.3)
+        outs = llm.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig(method, 3, draft_model=head))
+        assert [o.token_ids for o in outs] == plain8, method
+
+
 # -- drafts equal a from-scratch computation ------------------------------------------------
 def _drafter(verifier, spec, seq):
     """A drafter that has seen prefill of `seq` (its hidden states), ready to propose."""
