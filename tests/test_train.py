@@ -11,7 +11,6 @@ from forerun.errors import ConfigError
 from forerun.heads.fingerprint import verifier_fingerprint
 from forerun.llm import LLM
 from forerun.train import data
-from forerun.train.command import cmd_train  # noqa: F401  (the CLI entry imports)
 from forerun.train.config import TrainConfig
 from forerun.train.loop import train
 from tests.tiny import tiny_model
