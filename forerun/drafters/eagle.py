@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from forerun.config import SamplingParams
+from forerun.drafters import eagle_tree
 from forerun.drafters.base import Draft, DraftRequest, HiddenRows, register
 from forerun.drafters.features import FeatureStore
 from forerun.drafters.tree_select import TreeOptions
@@ -62,9 +63,7 @@ class EagleDrafter:
             return [Draft([]) for _ in requests]
         guess = self._catch_up(live)  # [B, H] f^_{N-1} per live row
         if self.tree.is_tree:
-            from forerun.drafters.eagle_tree import grow
-
-            made = grow(self, live, guess, [min(r.k, self.max_depth) for r in live])
+            made = eagle_tree.grow(self, live, guess, [min(r.k, self.max_depth) for r in live])
         else:
             made = self._chain(live, guess, params, generator)
         drafts = dict(zip((r.row for r in live), made))
