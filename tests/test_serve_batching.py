@@ -123,3 +123,21 @@ def test_a_batch_aware_server_stays_exact():
         sched.stop()
     assert [s.last.token_ids for s in sinks] == alone
     assert sched.batch_k.table()  # it measured something
+
+
+def test_batch_aware_k_tries_others_less_often_while_the_best_holds_and_notices_a_change():
+    from forerun.serve.batch_k import BatchK
+
+    ctl = BatchK(k_max=4, explore_every=10, max_backoff=8)
+    rate = {0: 200, 1: 150, 2: 120, 4: 80}  # a full batch: plain decoding wins
+    picks = []
+    for step in range(800):
+        if step == 500:
+            rate = {0: 100, 1: 150, 2: 200, 4: 120}  # the machine changed: k = 2 wins now
+        k = ctl.choose(8)
+        ctl.record(8, k, tokens=rate[k] * 0.05, seconds=0.05)
+        picks.append(k)
+    tries = [i for i, k in enumerate(picks[:500]) if k != 0 and i >= 8]  # after the first rounds
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:4] == [10, 20, 40, 80] and set(gaps[4:]) == {80}  # 10 doubles to 80 while k = 0 holds
+    assert picks[-100:].count(2) >= 90  # the change was noticed at the next try and kept
