@@ -13,15 +13,14 @@ stopped paying is noticed. A try is not free (at 8 rows a k = 4 step scores 40 t
 draft model first catches up on every token it skipped), so the gap between tries starts at
 `explore_every` steps and doubles, up to `explore_every * max_backoff`, each time a try leaves
 the best candidate where it was; a try that changes it resets the gap. (With a fixed gap of
-12, two tries of every candidate per batch size and k = 1 among them, the Qwen pair's
-batch-aware server ran 23-26% below a server without speculation at 8 clients: in a run of
-88 steps a third of them were tries.) Exactness is untouched: k only changes speed.
->>> ctl = BatchK(k_max=4, explore_every=4)
+12 the Qwen pair's batch-aware server ran 23% below a server without speculation at 8
+clients.) Exactness is untouched: k only changes speed.
+>>> ctl = BatchK(k_max=4, explore_every=4, min_tries=1)
 >>> ctl.arms
-[0, 2, 4]
->>> [ctl.choose(8) for _ in range(3)]  # untried candidates first
-[0, 2, 4]
->>> for k, tok_per_s in [(0, 100.0), (2, 60.0), (4, 50.0)]:
+[0, 1, 2, 4]
+>>> [ctl.choose(8) for _ in range(4)]  # untried candidates first
+[0, 1, 2, 4]
+>>> for k, tok_per_s in [(0, 100.0), (1, 80.0), (2, 60.0), (4, 50.0)]:
 ...     ctl.record(8, k, tokens=tok_per_s, seconds=1.0)
 >>> ctl.choose(8), ctl.choose(1)
 (0, 0)
@@ -49,7 +48,7 @@ class BatchK:
     explore_every: int = 12  # steps between tries of another candidate, at first
     max_backoff: int = 8  # the gap grows to at most explore_every * max_backoff
     decay: float = 0.97  # per step of the bucket: figures from about 30 steps back still count
-    min_tries: int = 1  # steps an arm runs before its rate is trusted (each costs: see above)
+    min_tries: int = 2  # steps an arm runs before its rate is trusted
     arms: list[int] = field(default_factory=list)  # candidate k values, 0 first
     _stats: dict[tuple[int, int], Arm] = field(default_factory=dict)  # (bucket, k) -> Arm
     _steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps chosen
@@ -60,8 +59,7 @@ class BatchK:
 
     def __post_init__(self):
         if not self.arms:
-            # k = 1 is left out: it was never the best here, and every candidate costs tries.
-            self.arms = sorted({0, self.k_max} | {k for k in (2, 4) if k < self.k_max})
+            self.arms = sorted({0, self.k_max} | {k for k in (1, 2, 4) if k < self.k_max})
 
     @staticmethod
     def bucket(batch: int) -> int:
