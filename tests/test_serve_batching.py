@@ -141,3 +141,27 @@ def test_batch_aware_k_tries_others_less_often_while_the_best_holds_and_notices_
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert gaps[:4] == [10, 20, 40, 80] and set(gaps[4:]) == {80}  # 10 doubles to 80 while k = 0 holds
     assert picks[-100:].count(2) >= 90  # the change was noticed at the next try and kept
+
+
+def test_the_draft_models_catch_up_is_counted_apart_from_steady_drafting():
+    """Batch-aware k compares per-step rates; the draft model's one-time catch-up (a new prompt,
+    or steps run with k = 0) is timed apart so that a try of k > 0 is not judged on it."""
+    import torch
+
+    from forerun.drafters.base import DraftRequest
+    from forerun.drafters.draft_model import DraftModelDrafter
+    from tests.tiny import tiny_model
+
+    drafter = DraftModelDrafter(tiny_model(seed=3, dtype="float32"))
+    drafter.start(num_rows=1, capacity=128, verifier_cache=None)
+    params, gen = SamplingParams(temperature=0), torch.Generator().manual_seed(0)
+    tokens = [i % 32 for i in range(5, 45)]  # the tiny vocabulary has 32 tokens
+    draft = drafter.propose([DraftRequest(0, tokens, 3)], params, gen)[0]
+    after_prompt = drafter.catch_up_seconds
+    assert after_prompt > 0  # 40 prompt tokens fed at once
+    tokens = tokens + draft.tokens[:2] + [7]  # two drafted tokens accepted, one recovered
+    draft = drafter.propose([DraftRequest(0, tokens, 3)], params, gen)[0]
+    assert drafter.catch_up_seconds == after_prompt  # a drafting step feeds 1-2 tokens: not a catch-up
+    tokens = tokens + draft.tokens[:1] + list(range(10, 20))  # then ten steps without drafting
+    drafter.propose([DraftRequest(0, tokens, 3)], params, gen)
+    assert drafter.catch_up_seconds > after_prompt

@@ -7,6 +7,8 @@ fed to the drafter, so the next step's catch-up feeds two tokens (it and the bon
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from forerun.config import SamplingParams
@@ -29,6 +31,10 @@ class DraftModelDrafter:
         self.cache = None
         self.synced: dict[int, int] = {}  # row -> committed tokens whose KV is in the draft cache
         self.tail: dict[int, list[int]] = {}  # row -> drafted tokens written right after them
+        # Seconds spent feeding tokens a row skipped (a new prompt, or steps run without drafting),
+        # its share of each catch-up forward: a one-time cost of switching drafting on, which the
+        # server's batch-aware k keeps out of the per-step rates it compares (serve/scheduler.py).
+        self.catch_up_seconds = 0.0
 
     def max_draft_nodes(self, k: int) -> int:
         return k + self.tree_width - 1
@@ -60,7 +66,13 @@ class DraftModelDrafter:
         out = {r.row: ([], []) for r in live}  # row -> (drafted tokens, their q rows)
         siblings: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # row -> extra first tokens
         fed_all: set[int] = set()  # rows stopped by p_min: their last drafted token's K/V is written too
-        starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], [self._catch_up(r) for r in live])
+        feeds = [self._catch_up(r) for r in live]
+        t0 = time.perf_counter()
+        starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], feeds)
+        fed = sum(len(toks) for _, toks in feeds)
+        skipped = sum(max(0, len(toks) - 2) for _, toks in feeds)  # a drafting step feeds 1-2 per row
+        if skipped:
+            self.catch_up_seconds += (time.perf_counter() - t0) * skipped / fed
         for step in range(max((r.k for r in live), default=0)):
             if not live:  # every row stopped early (p_min)
                 break

@@ -166,10 +166,12 @@ class Scheduler:
         t0 = time.perf_counter()
         lives = list(self.running.values())
         before = sum(len(lv.seq.generated) for lv in lives)
+        catch_up = getattr(self.drafter, "catch_up_seconds", 0.0)
         drafted, accepted, k = step_all(self, lives)
         dt = time.perf_counter() - t0
-        if self.batch_k is not None and k is not None:
-            self.batch_k.record(len(lives), k, sum(len(lv.seq.generated) for lv in lives) - before, dt)
+        if self.batch_k is not None and k is not None:  # the drafter's one-time catch-up is not k's steady cost
+            steady = dt - (getattr(self.drafter, "catch_up_seconds", 0.0) - catch_up)
+            self.batch_k.record(len(lives), k, sum(len(lv.seq.generated) for lv in lives) - before, max(steady, 1e-6))
         for lv in lives:
             lv.seq.stats.decode_time = time.perf_counter() - lv.t_admit - lv.seq.stats.prefill_time
             if lv.seq.finish_reason is not None:
