@@ -3,7 +3,7 @@ reference computation, checkpoints and the verifier fingerprint."""
 import pytest
 import torch
 
-from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.config import SpeculativeConfig
 from forerun.drafters.base import DraftRequest
 from forerun.errors import ConfigError, ModelLoadError
 from forerun.heads.checkpoint import load_head, new_head, save_head
@@ -11,20 +11,8 @@ from forerun.heads.fingerprint import verifier_fingerprint
 from forerun.kv_cache import chain_batch
 from forerun.llm import LLM
 from forerun.metrics import merge
+from tests.test_greedy_identity import GREEDY, PROMPTS, plain, verifier  # noqa: F401 (the same prompts and fixtures)
 from tests.tiny import tiny_model
-
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4]]
-GREEDY = SamplingParams(temperature=0, max_tokens=40)
-
-
-@pytest.fixture(scope="module")
-def verifier():
-    return LLM(tiny_model(seed=0))
-
-
-@pytest.fixture(scope="module")
-def plain(verifier):
-    return [o.token_ids for o in verifier.generate(PROMPTS, GREEDY, speculative=None)]
 
 
 def random_head(method, verifier, seed=1, **config):
