@@ -97,7 +97,7 @@ class BatchK:
 
     def _best(self, b: int) -> int:
         """The candidate with the best measured tokens/s in bucket b (the smaller k on a tie)."""
-        return max(self.arms, key=lambda k: (self._stats.setdefault((b, k), Arm()).rate, -k))
+        return max(self.arms, key=lambda k: (self._stats.get((b, k), Arm()).rate, -k))
 
     def table(self) -> dict[str, float]:
         """'bucket/k' -> measured tokens/s (for /health and the report)."""
