@@ -13,6 +13,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest, register
+from forerun.drafters.draft_vocab import reduced_head
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
@@ -137,19 +138,6 @@ class DraftModelDrafter:
         return Draft(d.tokens + toks, probs, parents)
 
 
-def _reduced_head(spec, draft, vocab: int):
-    """The draft_vocab option: the drafter's head over the first N ids + special ids."""
-    keep = spec.options.get("draft_vocab")
-    if not keep:
-        return None
-    from forerun.drafters.draft_vocab import ReducedHead, kept_ids
-
-    tok = draft.tokenizer
-    special = set(tok.special_ids) | set(tok.eos_token_ids) if tok is not None else set()
-    ids = kept_ids(min(vocab, draft.model.config.vocab_size), int(keep), special)
-    return ReducedHead(draft.model.lm_head, ids, vocab, draft.dtype)
-
-
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """Same tokenizer, different padding of the embedding matrix (e.g. Qwen sizes): ids the
     verifier lacks get -inf, ids the draft lacks are appended at -inf, so q has p's width."""
@@ -186,7 +174,7 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
         p_min = float(spec.options.get("draft_p_min", 0.0))
         if not 0.0 <= p_min < 1.0:
             raise ConfigError(f"draft_p_min must be in [0, 1), got {p_min}")
-        return DraftModelDrafter(draft.model, spec.tree_width, vocab, _reduced_head(spec, draft, vocab), p_min)
+        return DraftModelDrafter(draft.model, spec.tree_width, vocab, reduced_head(spec, draft, vocab), p_min)
     if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
             "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "

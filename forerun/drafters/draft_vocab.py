@@ -50,18 +50,23 @@ class ReducedHead(nn.Module):
         return full.index_copy_(-1, self.ids, sub)
 
 
+def reduced_head(spec, llm, vocab: int) -> ReducedHead | None:
+    """The draft_vocab option (spec.options["draft_vocab"] = N): a ReducedHead over `llm`'s LM
+    head rows for ids 0 .. N-1 + its special ids, `vocab` wide; None when the option is unset."""
+    keep = spec.options.get("draft_vocab")
+    if not keep:
+        return None
+    tok = llm.tokenizer
+    special = set(tok.special_ids) | set(tok.eos_token_ids) if tok is not None else set()
+    ids = kept_ids(min(vocab, llm.model.config.vocab_size), int(keep), special)
+    return ReducedHead(llm.model.lm_head, ids, vocab, llm.dtype)
+
+
 def head_logits(spec, verifier):
     """What a head drafter (Medusa, EAGLE) scores its guesses with: the verifier's own LM
-    head (`hidden_to_logits`), or with options["draft_vocab"] = N a ReducedHead over the
-    verifier's head rows for ids 0 .. N-1 + special ids. hidden [..., H] -> logits [..., V]."""
-    keep = spec.options.get("draft_vocab")
-    model = verifier.model
-    if not keep:
-        return model.hidden_to_logits
-    tok = verifier.tokenizer
-    special = set(tok.special_ids) | set(tok.eos_token_ids) if tok is not None else set()
-    V = model.config.vocab_size
-    return ReducedHead(model.lm_head, kept_ids(V, int(keep), special), V, verifier.dtype)
+    head (`hidden_to_logits`), or its reduced_head under draft_vocab. hidden [..., H] -> logits [..., V]."""
+    head = reduced_head(spec, verifier, verifier.model.config.vocab_size)
+    return verifier.model.hidden_to_logits if head is None else head
 
 
 def _like(linear: nn.Linear, dtype: str) -> nn.Module:
