@@ -85,6 +85,62 @@ def test_prefix_attention_is_per_query_and_matches_sdpa(head_dim):
     assert torch.allclose(out, ref, atol=2e-6)
 
 
+@pytest.mark.parametrize("head_dim", [64, 8])  # the vector path and the plain C++ one
+def test_the_fused_attention_layer_equals_the_op_by_op_path(head_dim):
+    """rope_write_attend (RoPE, cache write, attention in one call) writes the same cache
+    entries and returns the same bits as apply_rope + KVCache.write + attend_prefix, for
+    ragged rows at different slots of a GQA cache."""
+    import torch
+
+    from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+    kernel = int8_kernel.load()
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, B, T, cap = 6, 2, 3, 5, 120
+    k, v = torch.randn(4, Hkv, cap, head_dim, generator=g), torch.randn(4, Hkv, cap, head_dim, generator=g)
+    k_ref, v_ref = k.clone(), v.clone()
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * head_dim, generator=g)
+    rows, slots = torch.tensor([3, 0, 1]), torch.tensor([90, 4, 40])[:, None] + torch.arange(T)[None]
+    cos, sin = rope_cos_sin(slots, inv_frequencies(head_dim, 10000.0, None).float(), torch.float32)
+    out = kernel.rope_write_attend(qkv, cos, sin, k, v, rows, slots, H, Hkv, head_dim**-0.5)
+
+    x = qkv.view(B, T, H + 2 * Hkv, head_dim).transpose(1, 2)
+    qk = apply_rope(x[:, : H + Hkv], cos, sin)
+    for b in range(B):
+        k_ref[rows[b], :, slots[b]] = qk[b, H:]
+        v_ref[rows[b], :, slots[b]] = x[b, H + Hkv :]
+    ref = kernel.attend_prefix(qk[:, :H], k_ref, v_ref, rows, slots + 1, head_dim**-0.5)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert torch.equal(out, ref.transpose(1, 2).reshape(B, T, H * head_dim))
+
+
+def test_the_model_gives_the_same_bits_with_and_without_the_fused_layer(verifier):
+    """The int8 model's chain forwards (one token, a draft of 5, ragged rows) through
+    rope_write_attend give exactly the logits of the op-by-op path."""
+    import copy
+
+    import torch
+
+    from forerun.kv_cache import chain_batch
+
+    fused = verifier.model
+    assert fused.model.layers[0].self_attn.fused_layer is not None
+    plain = copy.deepcopy(fused)
+    for layer in plain.model.layers:
+        layer.self_attn.fused_layer = None
+    prompts, steps = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], [[5], [3, 5, 8, 9, 7], [1, 2]]
+    with torch.inference_mode():
+        caches = [m.new_cache(2, 32) for m in (fused, plain)]
+        outs = [m(chain_batch(prompts, [0, 0], [0, 1], m.device), c).logits for m, c in zip((fused, plain), caches)]
+        assert torch.equal(*outs)
+        starts = [len(p) for p in prompts]
+        for new in steps:
+            batch = [new, new[:1]]  # ragged: the second row gets one token
+            outs = [m(chain_batch(batch, starts, [0, 1], m.device), c).logits for m, c in zip((fused, plain), caches)]
+            assert torch.equal(*outs)
+            starts = [s + len(t) for s, t in zip(starts, batch)]
+
+
 def test_a_wide_forward_gives_each_row_its_own_logits(verifier):
     """The bit-level version: 12 rows x 6 tokens (over WIDE_ROWS: oneDNN linears) against
     each row alone (6 tokens: the compiled kernel), logits equal to the last bit."""
@@ -154,7 +210,7 @@ def test_these_checks_catch_batch_dependent_attention(verifier):
 
     model = copy.deepcopy(verifier.model)
     for layer in model.model.layers:
-        layer.self_attn.prefix_attention = None
+        layer.self_attn.prefix_attention = layer.self_attn.fused_layer = None
     ragged = [[(7 * i + j) % 30 + 1 for j in range(3 + i)] for i in range(12)] + LONG_PROMPTS
     assert _rows_differing_alone(verifier.model, ragged) == 0
     assert _rows_differing_alone(model, ragged) > 0

@@ -188,203 +188,6 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   return out;
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer
-// power (exponent bits) and a degree-6 polynomial on [0, 1); ~2 ulp, branch-free so the
-// compiler vectorises the loop that calls it. The same code runs for every query, which
-// is the point: a query's result never depends on how many queries share the call.
-static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// Sum of 16 lanes in a fixed tree order.
-static inline float lane_sum(float* lanes) {
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-  return lanes[0];
-}
-
-// R dot products <a, b_r> at once (independent chains hide the FMA latency). Each one's
-// arithmetic is the same for any R, so a key's score never depends on its neighbours.
-template <int R>
-static inline void dots(const float* a, const float* b, int64_t D, float* out) {
-  float lanes[R][16] = {};
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16)
-    for (int r = 0; r < R; ++r)
-      for (int l = 0; l < 16; ++l) lanes[r][l] = std::fma(a[d + l], b[r * D + d + l], lanes[r][l]);
-  for (; d < D; ++d)
-    for (int r = 0; r < R; ++r) lanes[r][0] = std::fma(a[d], b[r * D + d], lanes[r][0]);
-  for (int r = 0; r < R; ++r) out[r] = lane_sum(lanes[r]);
-}
-
-#ifdef FORERUN_VNNI
-// One query's attention over keys [0, L), AVX512, for D a multiple of 16 (<= 256).
-// Fixed instruction sequence for a given (L, D): the batch around the query never matters.
-static void attend_one_avx512(const float* qv, const float* kb, const float* vb, int64_t L, int64_t D,
-                              float scale, float* p, float* o) {
-  const int64_t V = D / 16;
-  __m512 qr[16];
-  for (int64_t c = 0; c < V; ++c) qr[c] = _mm512_loadu_ps(qv + 16 * c);
-  int64_t j = 0;
-  for (; j + 4 <= L; j += 4) {  // 4 keys at a time: independent FMA chains
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const float* k0 = kb + j * D;
-    for (int64_t c = 0; c < V; ++c) {
-      a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + 16 * c), a0);
-      a1 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + D + 16 * c), a1);
-      a2 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + 2 * D + 16 * c), a2);
-      a3 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + 3 * D + 16 * c), a3);
-    }
-    p[j] = _mm512_reduce_add_ps(a0) * scale;
-    p[j + 1] = _mm512_reduce_add_ps(a1) * scale;
-    p[j + 2] = _mm512_reduce_add_ps(a2) * scale;
-    p[j + 3] = _mm512_reduce_add_ps(a3) * scale;
-  }
-  for (; j < L; ++j) {
-    __m512 a0 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + j * D + 16 * c), a0);
-    p[j] = _mm512_reduce_add_ps(a0) * scale;
-  }
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (j = 0; j + 16 <= L; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(p + j));
-  float m = _mm512_reduce_max_ps(mx);
-  for (; j < L; ++j) m = std::max(m, p[j]);
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 sum_v = _mm512_setzero_ps();
-  j = 0;
-  for (; j + 16 <= L; j += 16) {
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(p + j), vm), _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, fi);
-    __m512 y = _mm512_set1_ps(1.535336188319500e-4f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.339887440266574e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618437357674640e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550332471162809e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402264791363012e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931472028550421e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-    const __m512 ex = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-    _mm512_storeu_ps(p + j, ex);
-    sum_v = _mm512_add_ps(sum_v, ex);
-  }
-  float sum = _mm512_reduce_add_ps(sum_v);
-  for (; j < L; ++j) {
-    p[j] = exp_nonpositive(p[j] - m);
-    sum += p[j];
-  }
-  __m512 acc[2][16];
-  for (int64_t c = 0; c < V; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
-  for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
-    const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-    const float* v0 = vb + j * D;
-    for (int64_t c = 0; c < V; ++c) {
-      acc[0][c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc[0][c]);
-      acc[1][c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + D + 16 * c), acc[1][c]);
-    }
-  }
-  if (j < L) {
-    const __m512 p0 = _mm512_set1_ps(p[j]);
-    for (int64_t c = 0; c < V; ++c) acc[0][c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + j * D + 16 * c), acc[0][c]);
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (int64_t c = 0; c < V; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc[0][c], acc[1][c]), inv));
-}
-#endif
-
-// Attention where query t of batch entry b sees keys [0, limits[b, t]) of its cache row (a
-// chain: every query sees a prefix). q [B, H, T, D]; k/v: the layer's whole cache
-// [rows, Hkv, capacity, D]; rows [B]; limits [B, T] -> [B, H, T, D]. Each (b, h, t) is
-// computed alone, in the same order for any T: scoring k drafted tokens at once gives
-// each the bits that scoring it alone would. (SDPA's kernels tile queries together.)
-torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
-                            torch::Tensor limits, double scale_d) {
-  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
-  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-              k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "k, v: float32 [rows, Hkv, cap, D]");
-  const auto q = q_in.contiguous();
-  const auto row_idx = rows.to(torch::kLong).contiguous();
-  const auto lim = limits.to(torch::kLong).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), cap = k.size(2);
-  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "head shapes");
-  TORCH_CHECK(row_idx.numel() == B && lim.size(0) == B && lim.size(1) == T, "rows [B], limits [B, T]");
-  const int64_t group = H / Hkv;
-  const float scale = static_cast<float>(scale_d);
-  auto out = torch::empty({B, H, T, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t *rp = row_idx.data_ptr<int64_t>(), *lp = lim.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < B * T; ++i)
-    TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "a query must see between 1 and capacity keys");
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
-  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
-    std::vector<float> p(cap), acc0(D), acc1(D);
-    for (int64_t bh = bh0; bh < bh1; ++bh) {
-      const int64_t b = bh / H, h = bh % H, hk = h / group;
-      const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
-      const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* qv = qp + ((b * H + h) * T + t) * D;
-        const int64_t L = lp[b * T + t];
-#ifdef FORERUN_VNNI
-        if (D % 16 == 0 && D <= 256) {
-          attend_one_avx512(qv, kb, vb, L, D, scale, p.data(), op + ((b * H + h) * T + t) * D);
-          continue;
-        }
-#endif
-        int64_t j = 0;
-        for (; j + 4 <= L; j += 4) dots<4>(qv, kb + j * D, D, p.data() + j);
-        for (; j < L; ++j) dots<1>(qv, kb + j * D, D, p.data() + j);
-        float lanes[16];  // 16-lane max, then 16-lane sum, each joined in a fixed order
-        for (int l = 0; l < 16; ++l) lanes[l] = -INFINITY;
-        for (j = 0; j < L; ++j) p[j] *= scale;
-        for (j = 0; j + 16 <= L; j += 16)
-          for (int l = 0; l < 16; ++l) lanes[l] = std::max(lanes[l], p[j + l]);
-        for (int l = 0; j + l < L; ++l) lanes[l] = std::max(lanes[l], p[j + l]);
-        float m = lanes[0];
-        for (int l = 1; l < 16; ++l) m = std::max(m, lanes[l]);
-        for (j = 0; j < L; ++j) p[j] = exp_nonpositive(p[j] - m);
-        for (int l = 0; l < 16; ++l) lanes[l] = 0.f;
-        for (j = 0; j + 16 <= L; j += 16)
-          for (int l = 0; l < 16; ++l) lanes[l] += p[j + l];
-        for (int l = 0; j + l < L; ++l) lanes[l] += p[j + l];
-        const float sum = lane_sum(lanes);
-        float* o = op + ((b * H + h) * T + t) * D;
-        for (int64_t d = 0; d < D; ++d) acc0[d] = acc1[d] = 0.f;
-        for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
-          const float p0 = p[j], p1 = p[j + 1];
-          const float *v0 = vb + j * D, *v1 = v0 + D;
-          for (int64_t d = 0; d < D; ++d) {
-            acc0[d] = std::fma(p0, v0[d], acc0[d]);
-            acc1[d] = std::fma(p1, v1[d], acc1[d]);
-          }
-        }
-        if (j < L)
-          for (int64_t d = 0; d < D; ++d) acc0[d] = std::fma(p[j], vb[j * D + d], acc0[d]);
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < D; ++d) o[d] = (acc0[d] + acc1[d]) * inv;
-      }
-    }
-  });
-  return out;
-}
-
 bool has_vnni() {
 #ifdef FORERUN_VNNI
   return true;
@@ -394,6 +197,11 @@ bool has_vnni() {
 }
 
 torch::Tensor f32_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, int64_t M);  // f32_rows.cpp
+torch::Tensor attend_prefix(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor limits,
+                            double scale);  // attention_rows.cpp
+torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                                torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads,
+                                double scale);  // attention_rows.cpp
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                         torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero,
                         int64_t M);  // int4_rows.cpp
@@ -404,5 +212,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_rows", &int4_rows, "per-token linear over 4-bit group-quantised weights, any number of rows");
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");
+  m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
 }

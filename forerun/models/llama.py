@@ -54,11 +54,23 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.prefix_attention = None  # the compiled per-query kernel, set by use_int8_kernels
+        self.fused_layer = None  # the same kernel with RoPE and the cache write folded in (rope_write_attend)
+
+    @staticmethod
+    def _fusable(x, batch: ForwardBatch, cache) -> bool:
+        """A chain of short rows over forerun's own row cache (a paged cache gathers its
+        blocks, so it keeps the op-by-op path), in float32."""
+        return (batch.starts is not None and type(cache) is KVCache and x.dtype == torch.float32
+                and max(batch.lengths) < WIDE_ROWS)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache, bias: torch.Tensor):
         """bias: [B, 1, T, S] additive mask (0 or -inf) built from batch.mask, or None when
         batch.attention says the rule is plain (every slot, or causal from slot 0)."""
         B, T, _ = x.shape
+        if self.fused_layer is not None and self._fusable(x, batch, cache):  # one compiled call (attention_rows.cpp)
+            out = self.fused_layer(self.qkv_proj(x), cos, sin, cache.k[self.layer], cache.v[self.layer],
+                                   batch.row_index, batch.slots, self.nh, self.nkv, self.hd**-0.5)
+            return self.o_proj(out)
         qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd).transpose(1, 2)
         qk = apply_rope(qkv[:, : self.nh + self.nkv], cos, sin)  # q and k rotated in one pass
         q, k, v = qk[:, : self.nh], qk[:, self.nh :], qkv[:, self.nh + self.nkv :]  # (B, nh | nkv, T, hd)
@@ -199,6 +211,7 @@ class LlamaForCausalLM(DecoderBase):
         compiled kernel; float32 K/V, as the int8 and float32 models keep them)."""
         for layer in self.model.layers:
             layer.self_attn.prefix_attention = kernel.attend_prefix
+            layer.self_attn.fused_layer = getattr(kernel, "rope_write_attend", None)
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
