@@ -63,6 +63,11 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--lookahead-window", type=int, default=5, help="lookahead: Jacobi window (guesses per step)")
     p.add_argument("--lookahead-ngram", type=int, default=3, help="lookahead: n-gram size gathered from the iterations")
     p.add_argument("--lookahead-pool", type=int, default=4, help="lookahead: pool candidates verified per step")
+    p.add_argument("--acceptance", default="exact", choices=["exact", "typical_lossy"],
+                   help="exact: rejection sampling, the verifier's distribution; typical_lossy: Medusa's typical "
+                        "acceptance when sampling (more tokens kept, output distribution CHANGED)")
+    p.add_argument("--typical-epsilon", type=float, default=0.09,
+                   help="typical_lossy: keep x where p(x) > min(epsilon, sqrt(epsilon) * exp(-entropy))")
 
 
 class _Version(argparse.Action):
@@ -180,8 +185,10 @@ def _configs(args):
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_branches=args.ngram_branches,
         tree_width=args.tree_width, skip_layers=_int_list(args.skip_layers), exit_layer=args.exit_layer,
         quant_bits=args.quant_bits, lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
-        lookahead_pool=args.lookahead_pool,
-        options={**({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
+        lookahead_pool=args.lookahead_pool, acceptance=args.acceptance,
+        options={**({"typical_epsilon": args.typical_epsilon, "typical_alpha": args.typical_epsilon**0.5}
+                    if args.acceptance != "exact" else {}),
+                 **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
                  **({"draft_p_min": args.draft_p_min} if args.draft_p_min else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
     )

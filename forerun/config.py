@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from forerun.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "int8", "int4", "float64")
+ACCEPTANCE = ("exact", "typical_lossy")  # the lossy rule says so in its name
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class SpeculativeConfig:
     lookahead_window: int = 5  # lookahead: Jacobi window W (guesses fed per step)
     lookahead_ngram: int = 3  # lookahead: n-gram size N gathered from the iterations
     lookahead_pool: int = 4  # lookahead: pool candidates G verified per step
+    # "exact" (rejection sampling: the verifier's distribution) or "typical_lossy" (Medusa's
+    # typical acceptance, verify.TypicalRule: more tokens kept when sampling, output law changed;
+    # options["typical_epsilon"], options["typical_alpha"]). Greedy decoding is exact either way.
+    acceptance: str = "exact"
     options: dict = field(default_factory=dict)  # drafter-specific extras, by name
 
     def __post_init__(self):
@@ -99,6 +104,11 @@ class SpeculativeConfig:
         draft_vocab = self.options.get("draft_vocab")
         if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 2):
             raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores), got {draft_vocab!r}")
+        if self.acceptance not in ACCEPTANCE:
+            raise ConfigError(f"acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
+        eps, alpha = self.options.get("typical_epsilon", 0.09), self.options.get("typical_alpha", 0.3)
+        if not (isinstance(eps, (int, float)) and 0 < eps < 1 and isinstance(alpha, (int, float)) and alpha > 0):
+            raise ConfigError(f"typical acceptance needs 0 < typical_epsilon < 1 and typical_alpha > 0, got {eps!r}, {alpha!r}")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPES:
             raise ConfigError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
 
@@ -106,6 +116,15 @@ class SpeculativeConfig:
     def adaptive(self) -> bool:
         """num_speculative_tokens="auto": k chosen per row and step (forerun/adaptive.py)."""
         return self.num_speculative_tokens == "auto"
+
+    @property
+    def typical_rule(self):
+        """The verify.TypicalRule of acceptance="typical_lossy", else None (exact)."""
+        if self.acceptance != "typical_lossy":
+            return None
+        from forerun.verify import TypicalRule
+
+        return TypicalRule(self.options.get("typical_epsilon", 0.09), self.options.get("typical_alpha", 0.3))
 
     @property
     def k_max(self) -> int:

@@ -20,7 +20,8 @@ from forerun.kv_cache import KVCache, chain_batch, tree_batch
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes
 from forerun.sampling import logits_to_probs, make_generator
-from forerun.verify import greedy_verify, rejection_verify, tree_verify
+from forerun.verify import (TypicalRule, greedy_verify, rejection_verify, tree_verify, typical_tree_verify_lossy,
+                            typical_verify_lossy)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class GenerateJob:
     should_stop: Callable[[int, list[int]], bool] | None = None  # (seq index, generated ids) -> stop?
     on_tokens: Callable[[int, list[int], bool], None] | None = None  # streaming: (seq index, generated ids, finished)
     k_policy: object | None = None  # an adaptive.AdaptiveK: k per row and step (k is then the maximum)
+    typical: TypicalRule | None = None  # acceptance="typical_lossy" (sampling only); None = exact
 
 
 @torch.inference_mode()
@@ -107,7 +109,7 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     batch = chain_batch(new, [len(s.tokens) - 1 for s in active], [s.row for s in active], model.device)
     out = model(batch, cache)
     logits = out.logits  # [B, K + 1, V]
-    result = _verify(logits, drafts, job.params, generator)
+    result = _verify(logits, drafts, job.params, generator, job.typical)
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
     paths = [list(range(n)) for n in num_accepted]
     _observe(job, active, drafts, logits, paths, next_tokens)
@@ -134,10 +136,12 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
     logits = out.logits  # [B, T, V]
     greedy = job.params.greedy
     target = logits if greedy else logits_to_probs(logits, job.params)
-    results = [
-        tree_verify(d.tokens, d.parent_list(), d.probs, target[i, : len(d.tokens) + 1], greedy, generator)
-        for i, d in enumerate(drafts)
-    ]
+    if job.typical is not None and not greedy:
+        results = [typical_tree_verify_lossy(d.tokens, d.parent_list(), target[i, : len(d.tokens) + 1], job.typical, generator)
+                   for i, d in enumerate(drafts)]
+    else:
+        results = [tree_verify(d.tokens, d.parent_list(), d.probs, target[i, : len(d.tokens) + 1], greedy, generator)
+                   for i, d in enumerate(drafts)]
     _observe(job, active, drafts, logits, [r.path for r in results], [r.next_token for r in results])
     _observe_hidden(job, active, out.hidden, [r.path for r in results])
     _learn(job, active, drafts, [len(r.path) for r in results], t1 - t0)
@@ -210,8 +214,8 @@ def _learn(job: GenerateJob, active: list[Sequence], drafts: list[Draft], accept
         policy.observe_draft_time(draft_s / drafted)
 
 
-def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, generator):
-    """Pad the drafts to [B, K] and run greedy or rejection verification on the batch."""
+def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, generator, typical: TypicalRule | None = None):
+    """Pad the drafts to [B, K] and run greedy, rejection or (opted into) typical verification on the batch."""
     B, T, V = logits.shape
     K, dev = T - 1, logits.device
     padded = [d.tokens + [0] * (K - len(d.tokens)) for d in drafts]  # built on the host: one copy
@@ -219,6 +223,8 @@ def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, g
     lens = torch.tensor([len(d.tokens) for d in drafts], device=dev)
     if params.greedy:
         return greedy_verify(tokens, lens, logits)
+    if typical is not None:
+        return typical_verify_lossy(tokens, lens, logits_to_probs(logits, params), typical, generator)
     q = None
     if any(d.probs is not None for d in drafts):
         q = torch.zeros(B, K, V, dtype=logits.dtype if logits.dtype == torch.float64 else torch.float32, device=dev)

@@ -83,7 +83,7 @@ class LLM:
         ids = self.encode(prompts)
         job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self._eos_ids())
         if spec is not None and spec.enabled:
-            job.drafter, job.k = self._drafter(spec), spec.k_max
+            job.drafter, job.k, job.typical = self._drafter(spec), spec.k_max, spec.typical_rule
             if spec.adaptive:
                 job.k_policy = self._k_policy(spec.k_max, spec.options.get("verify_cost"))
         if params.stop:

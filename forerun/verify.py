@@ -7,6 +7,9 @@ Vocabulary, used everywhere in forerun:
   - bonus:     when all k are accepted, a token drawn from p_k (the position after the draft).
 So every verifier forward emits n + 1 tokens, 1 <= n + 1 <= k + 1.
 
+All of it is exact (the output law is the verifier's) except what is named `*_lossy`:
+Medusa's typical acceptance, an explicit opt-in (SpeculativeConfig(acceptance="typical_lossy")).
+
 Pure functions over padded batches: row b drafted draft_lens[b] <= K tokens; entries
 past that are padding and never accepted. No host sync inside: the engine reads
 `num_accepted` and `next_token` once per step.
@@ -37,7 +40,7 @@ def greedy_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_l
     """Keep drafts while they equal the verifier's argmax; then emit the argmax.
 
     draft_tokens [B, K]; draft_lens [B]; target_logits [B, K + 1, V].
-    >>> logits = torch.eye(4)[[[1, 2, 3]]]  # verifier argmax: 1, 2, 3
+    >>> logits = torch.eye(4)[[1, 2, 3]][None]  # verifier argmax: 1, 2, 3
     >>> r = greedy_verify(torch.tensor([[1, 0]]), torch.tensor([2]), logits)
     >>> r.num_accepted.tolist(), r.next_token.tolist()
     ([1], [2])
@@ -160,3 +163,63 @@ def _pick_child(kids, tokens, draft_probs, p: torch.Tensor, generator):
             nxt = r
         r = nxt / nxt.sum()
     return None, r
+
+
+@dataclass(frozen=True)
+class TypicalRule:
+    """Medusa's typical acceptance (Cai et al. 2024). LOSSY: the output no longer follows the
+    verifier's distribution. A drafted token x is kept where the verifier finds it typical
+    enough, p(x) > min(epsilon, alpha * exp(-H(p))), whatever the drafter's q; the token
+    after the kept prefix is drawn from p itself. Under greedy decoding forerun never uses
+    it (greedy verification is exact and as fast)."""
+
+    epsilon: float = 0.09  # the threshold's cap (Medusa's posterior_threshold)
+    alpha: float = 0.3  # scales exp(-entropy) (Medusa: sqrt(epsilon))
+
+
+def typical_threshold(probs: torch.Tensor, rule: TypicalRule) -> torch.Tensor:
+    """probs [..., V] -> [...]: min(epsilon, alpha * exp(-H(p))).
+    >>> round(float(typical_threshold(torch.tensor([0.5, 0.5]), TypicalRule(0.9, 1.0))), 4)  # exp(-log 2)
+    0.5
+    """
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    return torch.clamp(rule.alpha * torch.exp(-entropy), max=rule.epsilon)
+
+
+def typical_verify_lossy(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_lens: torch.Tensor,  # [B]
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    rule: TypicalRule,
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Keep the longest prefix of typical drafted tokens, then draw the next token from p.
+    >>> p = torch.tensor([[[0.7, 0.3], [0.5, 0.5], [1.0, 0.0]]])
+    >>> typical_verify_lossy(torch.tensor([[1, 1]]), torch.tensor([2]), p, TypicalRule(0.2, 1.0), None).num_accepted.tolist()
+    [2]
+    """
+    K = draft_tokens.shape[1]
+    p_draft = target_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    n = _accepted_prefix(p_draft > typical_threshold(target_probs[:, :K], rule), draft_lens)
+    p_next = target_probs.gather(1, n[:, None, None].expand(-1, 1, target_probs.shape[-1])).squeeze(1)  # [B, V]
+    return VerifyResult(n, sample(p_next, generator))
+
+
+def typical_tree_verify_lossy(
+    tokens: list[int], parents: list[int], target: torch.Tensor, rule: TypicalRule, generator: torch.Generator | None
+) -> TreeResult:
+    """tree_verify's walk under typical acceptance (LOSSY): at each level follow the most
+    probable typical child; where none is typical, draw from p at that node. target [n + 1, V]
+    probabilities (row 0: the pending token, row i + 1: node i)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path, node = [], -1
+    while True:
+        kids, row = children.get(node, []), target[node + 1]
+        bar = float(typical_threshold(row, rule))
+        typical = [c for c in kids if float(row[tokens[c]]) > bar]
+        if not typical:
+            return TreeResult(path, int(sample(row[None], generator)[0]), not kids)
+        node = max(typical, key=lambda c: float(row[tokens[c]]))
+        path.append(node)

@@ -41,7 +41,8 @@ def method_label(spec: SpeculativeConfig) -> str:
     ('ngram k=5', 'ngram tree x3 k=5')
     """
     extra = f" tree x{spec.ngram_branches}" if spec.method == "ngram" and spec.ngram_branches > 1 else ""
-    return f"{spec.method}{extra} k={spec.num_speculative_tokens}"
+    lossy = f" {spec.acceptance}" if spec.acceptance != "exact" else ""  # a lossy cell says so in its name
+    return f"{spec.method}{extra}{lossy} k={spec.num_speculative_tokens}"
 
 
 def make_methods(verifier: LLM, specs: list[SpeculativeConfig], labels: list[str] | None = None) -> list[Method]:
