@@ -1,8 +1,9 @@
 """int8 with forerun's kernels is batch-invariant, so speculative decoding at int8 emits
 exactly what plain decoding at int8 emits (not merely what float32 would): the per-token
 int8 linears and the per-query chain attention give a token the same bits whether it is
-scored alone or beside k drafted tokens. (Chains only: token-tree verification attends
-through SDPA's masked kernel, so tree drafters at int8 are exact in law, not in bits.)"""
+scored alone or beside k drafted tokens. Token trees too: their attention runs the same
+per-query code over each node's visible keys (attend_masked), so a node on the accepted
+path gets the bits its chain would."""
 import pytest
 
 from forerun.config import SamplingParams, SpeculativeConfig
@@ -44,6 +45,79 @@ def test_int8_speculative_equals_int8_plain(verifier, plain, method, k):
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
     assert [o.token_ids for o in outs] == plain
     assert merge([o.stats for o in outs]).drafted > 0
+
+
+@pytest.mark.parametrize("spec", [
+    dict(method="ngram", num_speculative_tokens=4, ngram_max=3, ngram_min=1, ngram_branches=3),
+    dict(method="draft_model", num_speculative_tokens=3, tree_width=3),
+    dict(method="lookahead", num_speculative_tokens=4),
+], ids=["ngram-tree", "draft_model-tree", "lookahead"])
+def test_int8_tree_verification_equals_int8_plain(verifier, plain, spec):
+    if spec["method"] == "draft_model":
+        spec = {**spec, "draft_model": LLM(tiny_model(seed=3, hidden_size=64, intermediate_size=128))}
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig(**spec))
+    assert [o.token_ids for o in outs] == plain
+    assert merge([o.stats for o in outs]).drafted > 0
+
+
+def _tree_path_equals_chain(model) -> bool:
+    """A tree forward (the path pending -> a -> b -> c with siblings between) against the
+    chain forward of the same tokens: are the path's logits bit-identical?"""
+    import torch
+
+    from forerun.kv_cache import chain_batch, tree_batch
+
+    prompt, path = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [7, 2, 11, 4]  # pending 7, then a b c
+    with torch.inference_mode():
+        chain_cache, tree_cache = model.new_cache(1, 40), model.new_cache(1, 40)
+        for c in (chain_cache, tree_cache):
+            model(chain_batch([prompt], [0], [0], model.device), c, logits_at=None)
+        chain = model(chain_batch([path], [len(prompt)], [0], model.device), chain_cache).logits[0]
+        nodes, parents = [7, 2, 20, 11, 21, 4], [-1, 0, 0, 1, 1, 3]  # 20, 21: siblings off the path
+        tree = model(tree_batch([nodes], [parents], [len(prompt)], [0], model.device), tree_cache).logits[0]
+    return torch.equal(tree[[0, 1, 3, 5]], chain)
+
+
+def test_a_tree_forward_gives_the_accepted_path_its_chain_logits(verifier):
+    """The bit-level check behind tree identity (attend_masked)."""
+    assert _tree_path_equals_chain(verifier.model)
+
+
+def test_the_tree_check_catches_sdpa_tree_attention():
+    """With SDPA's masked kernel instead (masked_attention off), the path's logits differ
+    from the chain's (in 2 of these 3 tiny models; a real model's in most forwards)."""
+    models = []
+    for seed in range(3):
+        m = LLM(tiny_model(seed=seed, dtype="int8", hidden_size=64, intermediate_size=128), dtype="int8").model
+        for layer in m.model.layers:
+            layer.self_attn.masked_attention = None
+        models.append(m)
+    assert not all(_tree_path_equals_chain(m) for m in models)
+
+
+def test_masked_attention_gives_a_tree_node_its_chain_bits():
+    """attend_masked over a chain's mask equals attend_prefix; a node whose ancestors sit at
+    scattered slots, with the same K/V there, gets exactly the chain's output."""
+    import torch
+
+    kernel = int8_kernel.load()
+    for head_dim in (64, 8):
+        g = torch.Generator().manual_seed(2)
+        cap, s0, T = 64, 40, 4
+        k, v = torch.randn(1, 2, cap, head_dim, generator=g), torch.randn(1, 2, cap, head_dim, generator=g)
+        q = torch.randn(1, 6, T, head_dim, generator=g)
+        limits = torch.arange(s0 + 1, s0 + T + 1)[None]
+        chain = kernel.attend_prefix(q, k, v, torch.tensor([0]), limits, head_dim**-0.5)
+        mask = (torch.arange(s0 + T)[None, :] < limits[0][:, None])[None]  # [1, T, S]
+        assert torch.equal(kernel.attend_masked(q, k, v, torch.tensor([0]), mask, head_dim**-0.5), chain)
+        # the last query's path s0 .. s0+3 moved to slots s0, s0+2, s0+5, s0+7 (siblings in between)
+        tree_k, tree_v = k.clone(), v.clone()
+        slots = [s0, s0 + 2, s0 + 5, s0 + 7]
+        tree_k[:, :, slots], tree_v[:, :, slots] = k[:, :, s0 : s0 + T], v[:, :, s0 : s0 + T]
+        seen = torch.zeros(1, 1, s0 + 8, dtype=torch.bool)
+        seen[0, 0, :s0], seen[0, 0, slots] = True, True
+        node = kernel.attend_masked(q[:, :, T - 1 :], tree_k, tree_v, torch.tensor([0]), seen, head_dim**-0.5)
+        assert torch.equal(node[:, :, 0], chain[:, :, T - 1])
 
 
 def test_int8_batched_equals_one_by_one(verifier, plain):

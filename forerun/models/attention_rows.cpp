@@ -67,25 +67,29 @@ static inline void dots(const float* a, const float* b, int64_t D, float* out) {
 // One query's attention over keys [0, L), AVX512, D = 16 V. Fixed instruction sequence for
 // a given (L, D); V is a template argument so the query and accumulators stay in registers.
 // A key's score is one FMA chain over D then one horizontal sum, whichever block of keys
-// it is computed in (8 keys in flight hide the FMA latency).
-template <int V>
+// it is computed in (8 keys in flight hide the FMA latency). IDX: the query sees the keys
+// at rows idx[0 .. L) (a token tree's prefix and ancestors, in slot order) instead of rows
+// 0 .. L: the same arithmetic over that list, so a tree node gets the bits its chain would.
+template <int V, bool IDX>
 static void attend_one_avx512(const float* qv, const float* kb, const float* vb, int64_t L, float scale, float* p,
-                              float* o) {
+                              float* o, const int32_t* idx) {
   constexpr int64_t D = 16 * V;
+  auto key = [&](int64_t j) -> int64_t { return IDX ? idx[j] : j; };
   __m512 qr[V];
   for (int c = 0; c < V; ++c) qr[c] = _mm512_loadu_ps(qv + 16 * c);
   int64_t j = 0;
   for (; j + 8 <= L; j += 8) {
     __m512 a[8];
     for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
-    const float* k0 = kb + j * D;
+    const float* kr[8];
+    for (int r = 0; r < 8; ++r) kr[r] = kb + key(j + r) * D;
     for (int c = 0; c < V; ++c)
-      for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k0 + r * D + 16 * c), a[r]);
+      for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr[r] + 16 * c), a[r]);
     for (int r = 0; r < 8; ++r) p[j + r] = _mm512_reduce_add_ps(a[r]) * scale;
   }
   for (; j < L; ++j) {
     __m512 a0 = _mm512_setzero_ps();
-    for (int c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + j * D + 16 * c), a0);
+    for (int c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + key(j) * D + 16 * c), a0);
     p[j] = _mm512_reduce_add_ps(a0) * scale;
   }
   __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -120,25 +124,29 @@ static void attend_one_avx512(const float* qv, const float* kb, const float* vb,
   for (int c = 0; c < V; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
   for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
     const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-    const float* v0 = vb + j * D;
+    const float *v0 = vb + key(j) * D, *v1 = vb + key(j + 1) * D;
     for (int c = 0; c < V; ++c) {
       acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc0[c]);
-      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + D + 16 * c), acc1[c]);
+      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), acc1[c]);
     }
   }
   if (j < L) {
     const __m512 p0 = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < V; ++c) acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + j * D + 16 * c), acc0[c]);
+    for (int c = 0; c < V; ++c) acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + key(j) * D + 16 * c), acc0[c]);
   }
   const __m512 inv = _mm512_set1_ps(1.f / sum);
   for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc0[c], acc1[c]), inv));
 }
 #endif
 
-// The same attention in plain C++ (any D; every ISA). p [L], acc0 / acc1 [D]: scratch.
+// The same attention in plain C++ (any D; every ISA). p [L], acc0 / acc1 [D]: scratch;
+// idx as in attend_one_avx512 (nullptr: keys 0 .. L).
 static void attend_one_scalar(const float* qv, const float* kb, const float* vb, int64_t L, int64_t D, float scale,
-                              float* p, float* acc0, float* acc1, float* o) {
+                              float* p, float* acc0, float* acc1, float* o, const int32_t* idx) {
+  auto key = [&](int64_t j) -> int64_t { return idx ? idx[j] : j; };
   int64_t j = 0;
+  if (idx)  // (dots<R> gives each key the same arithmetic for any R)
+    for (; j < L; ++j) dots<1>(qv, kb + key(j) * D, D, p + j);
   for (; j + 4 <= L; j += 4) dots<4>(qv, kb + j * D, D, p + j);
   for (; j < L; ++j) dots<1>(qv, kb + j * D, D, p + j);
   float lanes[16];  // 16-lane max, then 16-lane sum, each joined in a fixed order
@@ -158,14 +166,14 @@ static void attend_one_scalar(const float* qv, const float* kb, const float* vb,
   for (int64_t d = 0; d < D; ++d) acc0[d] = acc1[d] = 0.f;
   for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
     const float p0 = p[j], p1 = p[j + 1];
-    const float *v0 = vb + j * D, *v1 = v0 + D;
+    const float *v0 = vb + key(j) * D, *v1 = vb + key(j + 1) * D;
     for (int64_t d = 0; d < D; ++d) {
       acc0[d] = std::fma(p0, v0[d], acc0[d]);
       acc1[d] = std::fma(p1, v1[d], acc1[d]);
     }
   }
   if (j < L)
-    for (int64_t d = 0; d < D; ++d) acc0[d] = std::fma(p[j], vb[j * D + d], acc0[d]);
+    for (int64_t d = 0; d < D; ++d) acc0[d] = std::fma(p[j], vb[key(j) * D + d], acc0[d]);
   const float inv = 1.f / sum;
   for (int64_t d = 0; d < D; ++d) o[d] = (acc0[d] + acc1[d]) * inv;
 }
@@ -176,31 +184,49 @@ struct Scratch {
   Scratch(int64_t cap, int64_t D) : p(cap), acc0(D), acc1(D) {}
 };
 
-// One query's attention over keys [0, L) of one cache row and KV head: kb, vb [cap, D].
+// One query's attention over keys [0, L) of one cache row and KV head (kb, vb [cap, D]), or
+// over the keys at rows idx[0 .. L) when idx is given (IDX).
+template <bool IDX>
 static void attend_one(const float* qv, const float* kb, const float* vb, int64_t L, int64_t D, float scale,
-                       Scratch& s, float* o) {
+                       Scratch& s, float* o, const int32_t* idx = nullptr) {
 #ifdef FORERUN_VNNI
   switch (D) {  // every multiple of 16 up to 256; other head sizes take the plain C++ path
-    case 16: return attend_one_avx512<1>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 32: return attend_one_avx512<2>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 48: return attend_one_avx512<3>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 64: return attend_one_avx512<4>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 80: return attend_one_avx512<5>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 96: return attend_one_avx512<6>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 112: return attend_one_avx512<7>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 128: return attend_one_avx512<8>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 144: return attend_one_avx512<9>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 160: return attend_one_avx512<10>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 176: return attend_one_avx512<11>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 192: return attend_one_avx512<12>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 208: return attend_one_avx512<13>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 224: return attend_one_avx512<14>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 240: return attend_one_avx512<15>(qv, kb, vb, L, scale, s.p.data(), o);
-    case 256: return attend_one_avx512<16>(qv, kb, vb, L, scale, s.p.data(), o);
+    case 16: return IDX ? attend_one_avx512<1, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<1, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 32: return IDX ? attend_one_avx512<2, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<2, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 48: return IDX ? attend_one_avx512<3, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<3, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 64: return IDX ? attend_one_avx512<4, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<4, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 80: return IDX ? attend_one_avx512<5, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<5, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 96: return IDX ? attend_one_avx512<6, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<6, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 112: return IDX ? attend_one_avx512<7, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<7, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 128: return IDX ? attend_one_avx512<8, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<8, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 144: return IDX ? attend_one_avx512<9, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<9, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 160: return IDX ? attend_one_avx512<10, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<10, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 176: return IDX ? attend_one_avx512<11, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<11, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 192: return IDX ? attend_one_avx512<12, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<12, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 208: return IDX ? attend_one_avx512<13, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<13, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 224: return IDX ? attend_one_avx512<14, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<14, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 240: return IDX ? attend_one_avx512<15, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<15, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
+    case 256: return IDX ? attend_one_avx512<16, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
+                   : attend_one_avx512<16, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
     default: break;
   }
 #endif
-  attend_one_scalar(qv, kb, vb, L, D, scale, s.p.data(), s.acc0.data(), s.acc1.data(), o);
+  attend_one_scalar(qv, kb, vb, L, D, scale, s.p.data(), s.acc0.data(), s.acc1.data(), o, IDX ? idx : nullptr);
 }
 
 static void check_cache(const torch::Tensor& k, const torch::Tensor& v) {
@@ -238,7 +264,7 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
       const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
       const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
       for (int64_t t = 0; t < T; ++t)
-        attend_one(qp + ((b * H + h) * T + t) * D, kb, vb, lp[b * T + t], D, scale, s, op + ((b * H + h) * T + t) * D);
+        attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, lp[b * T + t], D, scale, s, op + ((b * H + h) * T + t) * D);
     }
   });
   return out;
@@ -301,7 +327,55 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
       const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
       const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
       for (int64_t t = 0; t < T; ++t)
-        attend_one(qp + ((b * H + h) * T + t) * D, kb, vb, sp[b * T + t] + 1, D, scale, s, op + (b * T + t) * H * D + h * D);
+        attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, sp[b * T + t] + 1, D, scale, s, op + (b * T + t) * H * D + h * D);
+    }
+  });
+  return out;
+}
+
+// Attention under an explicit mask (token trees): query t of batch entry b sees the slots
+// j < S of its cache row where mask[b, t, j], in slot order, through the same per-query
+// code as a chain. A tree node's visible keys are the prefix and its ancestors, whose K/V
+// carry the bits its chain would have given them (same tokens, same RoPE positions), so
+// the node's output equals the chain's: int8 tree verification keeps plain decoding's bits.
+// q [B, H, T, D]; k/v [rows, Hkv, cap, D]; rows [B]; mask [B, T, S] bool -> [B, H, T, D].
+torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
+                            torch::Tensor mask_in, double scale_d) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
+  check_cache(k, v);
+  const auto q = q_in.contiguous();
+  const auto row_idx = rows.to(torch::kLong).contiguous();
+  const auto mask = mask_in.to(torch::kBool).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), cap = k.size(2);
+  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "head shapes");
+  TORCH_CHECK(row_idx.numel() == B && mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T && mask.size(2) <= cap,
+              "rows [B], mask [B, T, S] with S <= capacity");
+  const int64_t S = mask.size(2), group = H / Hkv;
+  const bool* mp = mask.data_ptr<bool>();
+  const int64_t* rp = row_idx.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
+  std::vector<std::vector<int32_t>> seen(B * T);  // visible slots per query, in slot order
+  for (int64_t i = 0; i < B * T; ++i) {
+    for (int64_t j = 0; j < S; ++j)
+      if (mp[i * S + j]) seen[i].push_back(static_cast<int32_t>(j));
+    TORCH_CHECK(!seen[i].empty(), "a query must see at least one key");
+  }
+  const float scale = static_cast<float>(scale_d);
+  auto out = torch::empty({B, H, T, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
+    Scratch s(cap, D);
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const int64_t b = bh / H, h = bh % H, hk = h / group;
+      const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
+      const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const auto& idx = seen[b * T + t];
+        attend_one<true>(qp + ((b * H + h) * T + t) * D, kb, vb, static_cast<int64_t>(idx.size()), D, scale, s,
+                         op + ((b * H + h) * T + t) * D, idx.data());
+      }
     }
   });
   return out;

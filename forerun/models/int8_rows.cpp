@@ -199,6 +199,8 @@ bool has_vnni() {
 torch::Tensor f32_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, int64_t M);  // f32_rows.cpp
 torch::Tensor attend_prefix(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor limits,
                             double scale);  // attention_rows.cpp
+torch::Tensor attend_masked(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor mask,
+                            double scale);  // attention_rows.cpp
 torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
                                 torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads,
                                 double scale);  // attention_rows.cpp
@@ -212,6 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_rows", &int4_rows, "per-token linear over 4-bit group-quantised weights, any number of rows");
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");
+  m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits");
   m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
 }

@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.prefix_attention = None  # the compiled per-query kernel, set by use_int8_kernels
         self.fused_layer = None  # the same kernel with RoPE and the cache write folded in (rope_write_attend)
+        self.masked_attention = None  # the same kernel under an explicit mask: token trees (attend_masked)
 
     @staticmethod
     def _fusable(x, batch: ForwardBatch, cache) -> bool:
@@ -77,6 +78,10 @@ class Attention(nn.Module):
         cache.write(self.layer, batch, k, v)
         if self.prefix_attention is not None and batch.starts is not None:  # a chain, int8 kernels
             out = self._chain_attention(q, batch, cache, bias)
+        elif self.masked_attention is not None and batch.attention == "mask" and T < WIDE_ROWS and q.dtype == torch.float32:
+            # a token tree: per query too, so a node on the accepted path gets its chain's bits
+            out = self.masked_attention(q, cache.k[self.layer], cache.v[self.layer], batch.row_index, batch.mask[:, 0],
+                                        self.hd**-0.5)
         elif T == 1 and batch.attention == "all" and q.dtype in (torch.float32, torch.float64):
             out = one_query_attention(q, *cache.read(self.layer, batch))  # plain decoding: the most frequent forward
         else:
@@ -212,6 +217,7 @@ class LlamaForCausalLM(DecoderBase):
         for layer in self.model.layers:
             layer.self_attn.prefix_attention = kernel.attend_prefix
             layer.self_attn.fused_layer = getattr(kernel, "rope_write_attend", None)
+            layer.self_attn.masked_attention = getattr(kernel, "attend_masked", None)
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
