@@ -143,6 +143,48 @@ def test_batch_aware_k_tries_others_less_often_while_the_best_holds_and_notices_
     assert picks[-100:].count(2) >= 90  # the change was noticed at the next try and kept
 
 
+def test_a_bucket_drafts_no_more_than_the_best_of_the_smaller_one():
+    """Plain decoding won at 4 rows: 8 rows never draft (no tries either); where 4 rows
+    settled on k = 2, 8 rows consider 0..2 only."""
+    from forerun.serve.batch_k import BatchK
+
+    for rate4, allowed8 in (({0: 100, 1: 90, 2: 80, 4: 70}, {0}), ({0: 100, 1: 110, 2: 120, 4: 115}, {0, 1, 2})):
+        ctl = BatchK(k_max=4, explore_every=5)
+        for _ in range(40):
+            k = ctl.choose(4)
+            ctl.record(4, k, tokens=rate4[k] * 0.05, seconds=0.05)
+        picks = []
+        for _ in range(200):
+            k = ctl.choose(8)
+            ctl.record(8, k, tokens=(300 - 40 * k) * 0.05, seconds=0.05)
+            picks.append(k)
+        assert set(picks) == allowed8
+        assert picks[-50:].count(0) >= 45
+
+
+def test_a_tries_catch_up_is_paid_back_before_the_next_try():
+    """A try whose draft model caught up for 1 s is followed by 1 / try_budget = 20 s (400
+    steps) before another try; without overheads the gap (10 steps) alone decides."""
+    from forerun.serve.batch_k import BatchK
+
+    def tries(overhead: float) -> list[int]:
+        ctl = BatchK(k_max=2, explore_every=10, max_backoff=1)
+        out, last = [], 0
+        for step in range(2000):
+            k = ctl.choose(8)
+            paid = overhead if k and not last else 0.0  # the drafter catches up after steps without it
+            ctl.record(8, k, tokens=(10 if k == 0 else 8) * 0.05, seconds=0.05, overhead=paid)
+            last = k
+            if k and step >= 6:  # after the first rounds (0, 0, 1, 1, 2, 2)
+                out.append(step)
+        return out
+
+    free, costly = tries(0.0), tries(1.0)
+    assert [b - a for a, b in zip(free, free[1:])] == [10] * (len(free) - 1)
+    gaps = [b - a for a, b in zip(costly, costly[1:])]
+    assert min(gaps) >= 20 / 0.05 and len(costly) < len(free) / 10
+
+
 def test_the_draft_models_catch_up_is_counted_apart_from_steady_drafting():
     """Batch-aware k compares per-step rates; the draft model's one-time catch-up (a new prompt,
     or steps run with k = 0) is timed apart so that a try of k > 0 is not judged on it."""

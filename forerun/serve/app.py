@@ -57,7 +57,8 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics) 
     async def health():
         return {"status": "ok", "running": len(scheduler.running), "waiting": scheduler.queue_depth,
                 "kv_blocks_used": scheduler.blocks.used, "kv_blocks_total": scheduler.blocks.num_blocks,
-                "batch_k_tokens_per_s": scheduler.batch_k.table() if scheduler.batch_k else None}
+                "batch_k_tokens_per_s": scheduler.batch_k.table() if scheduler.batch_k else None,
+                "batch_k_steps": scheduler.batch_k.steps() if scheduler.batch_k else None}
 
     @app.get("/metrics")
     async def prometheus():

@@ -119,6 +119,8 @@ def measure(url: str, clients: int, args, alone: dict[int, str], extra: dict, fo
         accepted = after["forerun_accepted_tokens_total"] - before["forerun_accepted_tokens_total"]
         cell.update(kv_before=int(before["forerun_kv_blocks_used"]), kv_after=int(after["forerun_kv_blocks_used"]),
                     kv_total=int(after["forerun_kv_blocks_total"]), acceptance=accepted / drafted if drafted else None)
+        health = httpx.get(url + "/health", timeout=30).json()  # batch-aware k's table so far (None when off)
+        cell.update(batch_k_tokens_per_s=health.get("batch_k_tokens_per_s"), batch_k_steps=health.get("batch_k_steps"))
     return cell
 
 

@@ -170,8 +170,9 @@ class Scheduler:
         drafted, accepted, k = step_all(self, lives)
         dt = time.perf_counter() - t0
         if self.batch_k is not None and k is not None:  # the drafter's one-time catch-up is not k's steady cost
-            steady = dt - (getattr(self.drafter, "catch_up_seconds", 0.0) - catch_up)
-            self.batch_k.record(len(lives), k, sum(len(lv.seq.generated) for lv in lives) - before, max(steady, 1e-6))
+            overhead = getattr(self.drafter, "catch_up_seconds", 0.0) - catch_up
+            emitted = sum(len(lv.seq.generated) for lv in lives) - before
+            self.batch_k.record(len(lives), k, emitted, max(dt - overhead, 1e-6), overhead=overhead)
         for lv in lives:
             lv.seq.stats.decode_time = time.perf_counter() - lv.t_admit - lv.seq.stats.prefill_time
             if lv.seq.finish_reason is not None:
