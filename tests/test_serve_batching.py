@@ -163,8 +163,9 @@ def test_a_bucket_drafts_no_more_than_the_best_of_the_smaller_one():
 
 
 def test_a_tries_catch_up_is_paid_back_before_the_next_try():
-    """A try whose draft model caught up for 1 s is followed by 1 / try_budget = 20 s (400
-    steps) before another try; without overheads the gap (10 steps) alone decides."""
+    """Tries whose draft model caught up for 1 s each take at most try_budget (5%) of the
+    bucket's time: about 20 s (400 steps) between them; without overheads the gap (10 steps)
+    alone decides."""
     from forerun.serve.batch_k import BatchK
 
     def tries(overhead: float) -> list[int]:
@@ -182,12 +183,61 @@ def test_a_tries_catch_up_is_paid_back_before_the_next_try():
     free, costly = tries(0.0), tries(1.0)
     assert [b - a for a, b in zip(free, free[1:])] == [10] * (len(free) - 1)
     gaps = [b - a for a, b in zip(costly, costly[1:])]
-    assert min(gaps) >= 20 / 0.05 and len(costly) < len(free) / 10
+    paid = 1.0 * (len(costly) + 1)  # each try's catch-up, and the first rounds' one
+    assert min(gaps) >= 300 and paid <= 0.05 * (2000 * 0.05 + paid) + 1.0
+
+
+def test_new_prompts_fed_to_the_draft_model_count_against_drafting():
+    """k = 4 emits 125 tokens/s between prompts, plain decoding 100; when every 4th drafting
+    step also feeds a new request's prompt for 0.1 s, drafting costs 0.005 s more per token
+    (77 tokens/s) and plain decoding wins."""
+    from forerun.serve.batch_k import BatchK
+
+    for prompt, winner in ((0.0, 4), (0.1, 0)):
+        ctl = BatchK(k_max=4, explore_every=10)
+        ks = []
+        for step in range(300):
+            k = ctl.choose(1)
+            ctl.record(1, k, tokens=5 if k == 4 else (1 + 0.2 * k), seconds=0.04 if k == 4 else 0.01 * (1 + k),
+                       prompt=prompt if k and step % 4 == 0 else 0.0)
+            ks.append(k)
+        assert ks[-50:].count(winner) >= 40, (prompt, ks[-50:])
+
+
+def test_drafting_is_switched_on_only_where_the_tokens_left_pay_for_the_catch_up():
+    """k = 2 emits 150 tokens/s, plain decoding 100: 100 tokens left save 0.33 s, not
+    enough for a 1 s catch-up; 1000 tokens save 3.3 s, enough. Nothing to feed: no question."""
+    from forerun.serve.batch_k import BatchK
+
+    ctl = BatchK(k_max=2, explore_every=1000)
+    for _ in range(6):
+        k = ctl.choose(8)
+        ctl.record(8, k, tokens={0: 100, 1: 90, 2: 150}[k] * 0.05, seconds=0.05)
+    assert ctl.choose(8) == 2
+    assert ctl.choose(8, switch_cost=1.0, remaining=100) == 0
+    assert ctl.choose(8, switch_cost=1.0, remaining=1000) == 2
+    assert ctl.choose(8, switch_cost=0.0, remaining=10) == 2
+
+
+def test_a_buckets_first_try_waits_until_its_catch_up_fits_the_budget():
+    """Switching drafting on would first cost 1 s of catch-up: a bucket tries k > 0 only
+    once it has run 1 / try_budget = 20 s (400 steps of 0.05 s) without drafting."""
+    from forerun.serve.batch_k import BatchK
+
+    ctl = BatchK(k_max=2, explore_every=10)
+    first = None
+    for step in range(1000):
+        k = ctl.choose(8, switch_cost=1.0, remaining=10_000)
+        ctl.record(8, k, tokens=5, seconds=0.05, overhead=1.0 if k else 0.0)
+        if k and first is None:
+            first = step
+    assert first in (400, 401)  # 400 x 0.05 s, give or take a float rounding
 
 
 def test_the_draft_models_catch_up_is_counted_apart_from_steady_drafting():
-    """Batch-aware k compares per-step rates; the draft model's one-time catch-up (a new prompt,
-    or steps run with k = 0) is timed apart so that a try of k > 0 is not judged on it."""
+    """Batch-aware k compares per-step rates; the draft model's one-time catch-up after steps
+    run with k = 0 is timed apart so that a try of k > 0 is not judged on it. A new prompt's
+    feed is timed too, but as `prompt_seconds`: a cost every request pays once drafting is on."""
     import torch
 
     from forerun.drafters.base import DraftRequest
@@ -199,11 +249,14 @@ def test_the_draft_models_catch_up_is_counted_apart_from_steady_drafting():
     params, gen = SamplingParams(temperature=0), torch.Generator().manual_seed(0)
     tokens = [i % 32 for i in range(5, 45)]  # the tiny vocabulary has 32 tokens
     draft = drafter.propose([DraftRequest(0, tokens, 3)], params, gen)[0]
-    after_prompt = drafter.catch_up_seconds
-    assert after_prompt > 0  # 40 prompt tokens fed at once
+    prompt = drafter.prompt_seconds
+    assert prompt > 0 and drafter.catch_up_seconds == 0  # 40 prompt tokens fed at once, a new row
     tokens = tokens + draft.tokens[:2] + [7]  # two drafted tokens accepted, one recovered
     draft = drafter.propose([DraftRequest(0, tokens, 3)], params, gen)[0]
-    assert drafter.catch_up_seconds == after_prompt  # a drafting step feeds 1-2 tokens: not a catch-up
+    assert drafter.catch_up_seconds == 0 and drafter.prompt_seconds == prompt  # a drafting step feeds 1-2 tokens
     tokens = tokens + draft.tokens[:1] + list(range(10, 20))  # then ten steps without drafting
     drafter.propose([DraftRequest(0, tokens, 3)], params, gen)
-    assert drafter.catch_up_seconds > after_prompt
+    assert drafter.catch_up_seconds > 0 and drafter.prompt_seconds == prompt
+    drafter.release(0)  # a new request takes the row
+    drafter.propose([DraftRequest(0, tokens[:30], 3)], params, gen)
+    assert drafter.prompt_seconds > prompt

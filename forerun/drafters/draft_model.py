@@ -32,10 +32,14 @@ class DraftModelDrafter:
         self.cache = None
         self.synced: dict[int, int] = {}  # row -> committed tokens whose KV is in the draft cache
         self.tail: dict[int, list[int]] = {}  # row -> drafted tokens written right after them
-        # Seconds spent feeding tokens a row skipped (a new prompt, or steps run without drafting),
-        # its share of each catch-up forward: a one-time cost of switching drafting on, which the
+        # Seconds spent feeding tokens a row skipped while steps ran without drafting (its share
+        # of each catch-up forward): a one-time cost of switching drafting back on, which the
         # server's batch-aware k keeps out of the per-step rates it compares (serve/scheduler.py).
+        # A new row's prompt is fed the same way but timed in `prompt_seconds`: every request
+        # pays it once drafting is on at all, so batch-aware k charges it to the step's k.
         self.catch_up_seconds = 0.0
+        self.prompt_seconds = 0.0
+        self.fed_tokens = 0  # tokens behind those two figures (their seconds per token: the cost of a feed)
 
     def max_draft_nodes(self, k: int) -> int:
         return k + self.tree_width - 1
@@ -48,6 +52,11 @@ class DraftModelDrafter:
         """A new sequence takes this row (the server's continuous batching)."""
         self.synced.pop(row, None)
         self.tail.pop(row, None)
+
+    def unfed(self, row: int, tokens: list[int]) -> int:
+        """Tokens of a row the next drafting step would feed beyond a drafting step's usual 1-2
+        (a new prompt, or tokens committed while steps ran without drafting)."""
+        return max(0, len(tokens) - self.synced.get(row, 0) - 2)
 
     def _catch_up(self, r: DraftRequest) -> tuple[int, list[int]]:
         """(first slot to write, tokens to feed) so the cache covers r.tokens[:-1] and the
@@ -71,9 +80,13 @@ class DraftModelDrafter:
         t0 = time.perf_counter()
         starts, new = feed_all_but_last(self.model, self.cache, [r.row for r in live], feeds)
         fed = sum(len(toks) for _, toks in feeds)
-        skipped = sum(max(0, len(toks) - 2) for _, toks in feeds)  # a drafting step feeds 1-2 per row
-        if skipped:
-            self.catch_up_seconds += (time.perf_counter() - t0) * skipped / fed
+        fresh = sum(len(toks) for r, (_, toks) in zip(live, feeds) if r.row not in self.synced)  # new prompts
+        skipped = sum(max(0, len(toks) - 2) for r, (_, toks) in zip(live, feeds) if r.row in self.synced)  # a drafting step feeds 1-2 per row
+        if fresh or skipped:
+            seconds = time.perf_counter() - t0
+            self.fed_tokens += fresh + skipped
+            self.prompt_seconds += seconds * fresh / fed
+            self.catch_up_seconds += seconds * skipped / fed
         for step in range(max((r.k for r in live), default=0)):
             if not live:  # every row stopped early (p_min)
                 break

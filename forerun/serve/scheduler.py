@@ -167,12 +167,15 @@ class Scheduler:
         lives = list(self.running.values())
         before = sum(len(lv.seq.generated) for lv in lives)
         catch_up = getattr(self.drafter, "catch_up_seconds", 0.0)
+        prompt = getattr(self.drafter, "prompt_seconds", 0.0)
         drafted, accepted, k = step_all(self, lives)
         dt = time.perf_counter() - t0
         if self.batch_k is not None and k is not None:  # the drafter's one-time catch-up is not k's steady cost
             overhead = getattr(self.drafter, "catch_up_seconds", 0.0) - catch_up
+            prompt = getattr(self.drafter, "prompt_seconds", 0.0) - prompt
             emitted = sum(len(lv.seq.generated) for lv in lives) - before
-            self.batch_k.record(len(lives), k, emitted, max(dt - overhead, 1e-6), overhead=overhead)
+            steady = max(dt - overhead - prompt, 1e-6)
+            self.batch_k.record(len(lives), k, emitted, steady, overhead=overhead, prompt=prompt)
         for lv in lives:
             lv.seq.stats.decode_time = time.perf_counter() - lv.t_admit - lv.seq.stats.prefill_time
             if lv.seq.finish_reason is not None:

@@ -81,7 +81,7 @@ def _plan_k(sched, lives: list[Live]) -> tuple[dict[int, int], int]:
     room to draft drafts 0."""
     k_cap = max((lv.req.k for lv in lives), default=0) if sched.drafter is not None else 0
     if k_cap and sched.batch_k is not None:
-        k_cap = min(k_cap, sched.batch_k.choose(len(lives)))
+        k_cap = min(k_cap, sched.batch_k.choose(len(lives), **switch_terms(sched.drafter, lives)))
     nodes = getattr(sched.drafter, "max_draft_nodes", lambda k: k)
     ks = {}
     for lv in lives:
@@ -97,6 +97,17 @@ def _plan_k(sched, lives: list[Live]) -> tuple[dict[int, int], int]:
             sched.sync_table(lv.seq.row, lv.table.blocks)
         ks[lv.seq.row] = k
     return ks, k_cap
+
+
+def switch_terms(drafter, lives: list[Live]) -> dict:
+    """For batch-aware k: what drafting this step would first cost (the tokens the draft model
+    has not seen, at its measured seconds per fed token) and the tokens the rows may still emit."""
+    unfed, fed = getattr(drafter, "unfed", None), getattr(drafter, "fed_tokens", 0)
+    if unfed is None or not fed:
+        return {}
+    per_token = (drafter.catch_up_seconds + drafter.prompt_seconds) / fed
+    tokens = sum(unfed(lv.seq.row, lv.seq.tokens) for lv in lives)
+    return {"switch_cost": tokens * per_token, "remaining": sum(lv.seq.remaining for lv in lives)}
 
 
 def _step_group(sched, group: list[Live], row_k: RowK) -> None:
