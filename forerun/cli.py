@@ -36,12 +36,12 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="verifier precision")
     p.add_argument("--method", default="ngram",
                    help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead, "
-                        "medusa, eagle (trained heads: --draft-model DIR from `forerun train`); none = plain")
+                        "medusa, eagle, dflash (trained heads: --draft-model DIR from `forerun train`); none = plain")
     p.add_argument("--k", type=_k_arg, default=5,
                    help="speculative tokens per step (0 = plain decoding), or 'auto': chosen per step from measured acceptance and cost")
     p.add_argument("--k-max", type=int, default=8, help="the longest draft under --k auto")
     p.add_argument("--draft-model", default=None,
-                   help="draft model for --method draft_model (same forms as --model); the head folder for medusa / eagle")
+                   help="draft model for --method draft_model (same forms as --model); the head folder for medusa / eagle / dflash")
     p.add_argument("--draft-dtype", default=None, choices=DTYPES, help="draft model's precision (default: the verifier's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -54,7 +54,7 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft_model: score only the first N token ids (+ special tokens) in the drafter's head")
     p.add_argument("--tree-width", type=int, default=1,
-                   help="draft_model: candidates at the first position (a tree); medusa / eagle: top candidates per node (a tree of 16 nodes)")
+                   help="draft_model: candidates at the first position (a tree); medusa / eagle / dflash: top candidates per node (a tree of 16 nodes)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
                    help="draft_model / quantized: stop a draft where the drafter's top token probability falls below this (0 = never)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")

@@ -1,4 +1,4 @@
-"""Medusa and EAGLE heads: greedy identity (chains and trees), drafts equal to a from-scratch
+"""Medusa, EAGLE and DFlash heads: greedy identity (chains and trees), drafts equal to a from-scratch
 reference computation, checkpoints and the verifier fingerprint."""
 import pytest
 import torch
@@ -28,7 +28,8 @@ def random_head(method, verifier, seed=1, **config):
 
 @pytest.fixture(scope="module")
 def heads(verifier):
-    return {"medusa": random_head("medusa", verifier, num_heads=4), "eagle": random_head("eagle", verifier)}
+    return {"medusa": random_head("medusa", verifier, num_heads=4), "eagle": random_head("eagle", verifier),
+            "dflash": random_head("dflash", verifier, num_heads=4)}
 
 
 TREES = {"chain": (1, {}), "tree": (3, {"tree_nodes": 7, "tree_beam": 2})}
@@ -36,7 +37,7 @@ TREES = {"chain": (1, {}), "tree": (3, {"tree_nodes": 7, "tree_beam": 2})}
 
 @pytest.mark.parametrize("shape", list(TREES))
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
 def test_greedy_identity(verifier, plain, heads, method, k, shape):
     width, options = TREES[shape]
     spec = SpeculativeConfig(method, k, draft_model=heads[method], tree_width=width, options=options)
@@ -48,7 +49,7 @@ def test_greedy_identity(verifier, plain, heads, method, k, shape):
     assert alone == plain
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
 def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plain, heads, method):
     spec = SpeculativeConfig(method, 3, draft_model=heads[method], tree_width=2, options={"draft_vocab": 12, "tree_nodes": 5})
     drafted = []
@@ -60,7 +61,7 @@ def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plai
     assert drafted and max(drafted) < 12
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
 def test_adaptive_k_mixes_draft_lengths_and_skipped_rows(verifier, plain, heads, method):
     """k='auto' gives rows different k per step, 0 included: a row that skips drafting must
     catch up on every hidden state it missed (EAGLE's head cache) when it drafts again."""
@@ -188,6 +189,33 @@ def test_medusa_tree_is_the_most_confident_rank_paths(verifier, heads):
         p = draft.parents[i]
         got.append((tok,) if p < 0 else (draft.tokens[p], tok))
     assert sorted(got) == sorted(best)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("seq", [PROMPTS[2], PROMPTS[2][:5]])  # a full context, and fewer than `context` states
+def test_dflash_block_equals_the_training_objective(verifier, heads, seq):
+    """The drafter's block for a row is what training scores for the same anchor: the head on
+    (f_t, x_{t+1}), t = P - C .. P - 1 (missing t masked), read through the LM head."""
+    from forerun.train.objectives import block_context
+
+    h = heads["dflash"]
+    m = verifier.model
+    d = _drafter(verifier, SpeculativeConfig("dflash", 4, draft_model=h), seq)
+    draft = d.propose([DraftRequest(0, seq, 4)], GREEDY, None)[0]
+    P, C = len(seq) - 1, h.config.context
+    hid = _hidden(m, seq[:-1])  # f_0 .. f_{P-1}
+    t = list(range(max(0, P - C), P))
+    pad = C - len(t)
+    feats = torch.cat([hid.new_zeros(pad, hid.shape[-1]), hid[t]])[None]
+    toks = torch.tensor([[0] * pad + seq[t[0] + 1 :]])
+    valid = torch.tensor([[False] * pad + [True] * len(t)])
+    want = m.hidden_to_logits(h(feats, m.model.embed_tokens(toks).to(feats.dtype), valid)[0]).argmax(-1).tolist()
+    assert draft.tokens == want
+    # training builds the same inputs for an anchor at P (its placeholders aside)
+    full = list(seq) + [1, 2, 3, 4]
+    tf, tt, tv = block_context(_hidden(m, full)[None], torch.tensor([full]), torch.tensor([P]), C)
+    assert torch.equal(tv, valid) and torch.equal(tt[tv], toks[valid])
+    torch.testing.assert_close(tf[tv], feats[valid], rtol=1e-9, atol=1e-9)  # float64: two forward shapes
 
 
 # -- checkpoints and fingerprints ----------------------------------------------------------

@@ -34,7 +34,7 @@ def reference(verifier):
 
 
 def _head(method, verifier):
-    head = new_head(method, verifier.model, **({"num_heads": 2} if method == "medusa" else {}))
+    head = new_head(method, verifier.model, **({} if method == "eagle" else {"num_heads": 2}))
     torch.manual_seed(2)
     with torch.no_grad():
         for p in head.parameters():
@@ -43,7 +43,7 @@ def _head(method, verifier):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
 def test_sampling_is_exact(verifier, reference, method, shape):
     spec = SpeculativeConfig(method, 2, draft_model=_head(method, verifier), **SHAPES[shape])
     outs = verifier.generate([PROMPT] * N, PARAMS, speculative=spec)

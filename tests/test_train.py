@@ -57,7 +57,7 @@ def _cfg(out, corpus, method, **over):
     return TrainConfig(**base)
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
 def test_train_then_load_and_draft(verifier, corpus, tmp_path, method):
     out = train(_cfg(tmp_path / "h", corpus, method), verifier=verifier)
     for name in ("head.safetensors", "head.json", "trainer.safetensors", "trainer.json", "features.safetensors", "loss.png"):
@@ -68,7 +68,7 @@ def test_train_then_load_and_draft(verifier, corpus, tmp_path, method):
     evals = [h for h in history if "eval_loss" in h]
     assert [e["step"] for e in evals] == [0, 20, 40]  # the untrained head, then every --eval-every
     assert evals[-1]["eval_loss"] < 0.9 * evals[0]["eval_loss"]  # it learned the verifier's behaviour, held out
-    if method == "eagle":  # (an untrained Medusa head repeats the verifier's next token: on this repetitive
+    if method != "medusa":  # (an untrained Medusa head repeats the verifier's next token: on this repetitive
         assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"] + 0.1  # text a strong baseline for 40 steps)
     assert card["training"]["held_out_accuracy"] == evals[-1]["eval_accuracy"]
     # the saved head drafts for its verifier: greedy output is plain decoding's, drafts get accepted
@@ -105,11 +105,29 @@ class FutureEagle:
         return self.hidden[:, 1:]
 
 
+class FutureBlock:
+    """A block 'head' that cheats: at anchor P its position i returns the true h_{P+i-1}."""
+
+    def __init__(self, hidden, block, context):
+        from forerun.heads.dflash import DFlashConfig
+
+        self.hidden, self.config = hidden, DFlashConfig(8, 8, 2, block=block, context=context)
+
+    def __call__(self, feats, embeds, valid):
+        from forerun.train.objectives import DFLASH_STRIDE
+
+        B, T, _ = self.hidden.shape
+        K = self.config.block
+        anchors = list(range(1, T - K + 1, DFLASH_STRIDE))
+        rows = [self.hidden[r // len(anchors), anchors[r % len(anchors)] : anchors[r % len(anchors)] + K] for r in range(len(feats))]
+        return torch.stack(rows)
+
+
 def test_objectives_are_aligned_with_the_drafters():
     """Heads that read the verifier's future states reach the minimum: the loss is the
     teacher's own entropy and every top-1 guess agrees, so each target sits at the position
     the drafter reads it from (a shift by one would fail both)."""
-    from forerun.train.objectives import eagle_objective, medusa_objective
+    from forerun.train.objectives import dflash_objective, eagle_objective, medusa_objective
 
     torch.manual_seed(0)
     hidden, W = torch.randn(2, 9, 8), torch.randn(16, 8)
@@ -121,6 +139,11 @@ def test_objectives_are_aligned_with_the_drafters():
     assert abs(float(res.loss) - sum(entropy(1 + i) for i in range(3)) / 3) < 1e-5
     res = eagle_objective(FutureEagle(hidden), torch.nn.Embedding(16, 8), lm_head, hidden, torch.randint(0, 16, (2, 9)))
     assert res.accuracy == [1.0] and abs(float(res.loss) - 0.1 * entropy(1)) < 1e-5
+    res = dflash_objective(FutureBlock(hidden, 3, 4), torch.nn.Embedding(16, 8), lm_head, hidden, torch.randint(0, 16, (2, 9)))
+    anchors = torch.arange(1, 9 - 3 + 1, 3)  # P = 1, 4: targets h_P .. h_{P+2}
+    pos = (anchors[:, None] + torch.arange(3)).flatten()
+    want = float(-(logp[:, pos].exp() * logp[:, pos]).sum(-1).mean())
+    assert res.accuracy == [1.0, 1.0, 1.0] and abs(float(res.loss) - 0.1 * want) < 1e-5
 
 
 def test_resume_continues_exactly(verifier, corpus, tmp_path):

@@ -50,11 +50,15 @@ class MedusaDrafter:
         live = [r for r in requests if r.k > 0 and len(r.tokens) > 1 and self.features.covers(r.row, len(r.tokens) - 1)]
         if not live:
             return [Draft([]) for _ in requests]
-        h = self.features.at([r.row for r in live], [len(r.tokens) - 2 for r in live])  # [B, H]
-        logits = self.logits(self.heads(h))  # [B, K, V]
+        logits = self.block_logits(live)  # [B, K, V]
         make = self._tree if self.tree.is_tree else self._chain
         drafts = dict(zip((r.row for r in live), make(logits, [min(r.k, self.num_heads) for r in live], params, generator)))
         return [drafts.get(r.row, Draft([])) for r in requests]
+
+    def block_logits(self, live: list[DraftRequest]) -> torch.Tensor:
+        """[B, K, V]: the heads' distributions over the K tokens after each live row's pending one."""
+        h = self.features.at([r.row for r in live], [len(r.tokens) - 2 for r in live])  # [B, H]
+        return self.logits(self.heads(h))
 
     @staticmethod
     def _chain(logits: torch.Tensor, depths: list[int], params: SamplingParams, generator) -> list[Draft]:

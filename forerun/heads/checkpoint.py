@@ -2,8 +2,8 @@
 verifier it belongs to, how it was trained).
 
 head.json:
-  {"format": "forerun-head", "version": 1, "method": "eagle" | "medusa",
-   "config": {...EagleConfig / MedusaConfig fields...},
+  {"format": "forerun-head", "version": 1, "method": "eagle" | "medusa" | "dflash",
+   "config": {...EagleConfig / MedusaConfig / DFlashConfig fields...},
    "verifier": {"fingerprint": "<16 hex>", "name": "...", "vocab_size": V, "hidden_size": H},
    "training": {...free-form: data, steps, seed, held-out accuracy...}}
 A head is loaded only onto the verifier whose fingerprint it carries (heads/fingerprint.py).
@@ -16,12 +16,14 @@ from pathlib import Path
 from torch import nn
 
 from forerun.errors import ConfigError, ModelLoadError
+from forerun.heads.dflash import DFlashConfig, DFlashHead
 from forerun.heads.eagle import EagleConfig, EagleHead
 from forerun.heads.fingerprint import verifier_fingerprint
 from forerun.heads.medusa import MedusaConfig, MedusaHeads
 
 WEIGHTS, CARD = "head.safetensors", "head.json"
-KINDS: dict[str, tuple[type, type]] = {"medusa": (MedusaConfig, MedusaHeads), "eagle": (EagleConfig, EagleHead)}
+KINDS: dict[str, tuple[type, type]] = {"medusa": (MedusaConfig, MedusaHeads), "eagle": (EagleConfig, EagleHead),
+                                       "dflash": (DFlashConfig, DFlashHead)}
 
 
 def new_head(method: str, verifier_model, **config) -> nn.Module:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from dataclasses import fields
 
-from forerun.train.config import TrainConfig
+from forerun.train.config import METHODS, TrainConfig
 
 HELP = {
     "method": "the head to train",
@@ -14,7 +14,7 @@ HELP = {
     "model": "the verifier the head drafts for (model folder, .gguf, hub id, or embedded name; default smollm2-135m)",
     "dtype": "verifier precision while computing its hidden states",
     "device": "cpu or cuda",
-    "num_heads": "medusa: number of heads (longest draft)",
+    "num_heads": "medusa: number of heads; dflash: block positions filled per forward (either way the longest draft)",
     "seq_len": "tokens per training chunk",
     "max_tokens": "tokens read from --data at most",
     "eval_chunks": "held-out chunks for the loss and draft accuracy",
@@ -31,11 +31,11 @@ HELP = {
 
 
 def add_parser(sub, fmt) -> None:
-    t = sub.add_parser("train", formatter_class=fmt, help="train a Medusa or EAGLE draft head for a verifier")
+    t = sub.add_parser("train", formatter_class=fmt, help="train a Medusa, EAGLE or DFlash-style block draft head for a verifier")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "method":
-            t.add_argument(flag, required=True, choices=["medusa", "eagle"], help=HELP[f.name])
+            t.add_argument(flag, required=True, choices=list(METHODS), help=HELP[f.name])
         elif f.name == "out":
             t.add_argument(flag, required=True, help=HELP[f.name])
         elif f.name == "data":

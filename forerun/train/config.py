@@ -5,19 +5,20 @@ from dataclasses import asdict, dataclass, field
 
 from forerun.errors import ConfigError
 
+METHODS = ("medusa", "eagle", "dflash")
 # Arguments a resumed run must share with the run it continues (the rest may change).
 FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup")
 
 
 @dataclass
 class TrainConfig:
-    method: str  # "medusa" | "eagle"
+    method: str  # "medusa" | "eagle" | "dflash"
     out: str  # folder: head.safetensors + head.json, trainer state, features cache, loss.png
     data: list[str] = field(default_factory=list)  # files, folders, or pkg:NAME (an installed package's source + docs)
     model: str | None = None  # the verifier (as LLM(model=...) takes it)
     dtype: str = "float32"  # the verifier's precision while computing targets
     device: str = "cpu"
-    num_heads: int = 4  # medusa: heads (tokens drafted per step at most)
+    num_heads: int = 4  # medusa: heads; dflash: block positions (tokens drafted per step at most)
     seq_len: int = 256  # tokens per training chunk
     max_tokens: int = 200_000  # tokens read from the data at most
     eval_chunks: int = 8  # held-out chunks (the last ones after a seeded shuffle)
@@ -32,8 +33,8 @@ class TrainConfig:
     resume: bool = False
 
     def __post_init__(self):
-        if self.method not in ("medusa", "eagle"):
-            raise ConfigError(f"--method must be medusa or eagle, got {self.method!r}")
+        if self.method not in METHODS:
+            raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not self.data:
             raise ConfigError("--data: give at least one text source (a file, a folder, or pkg:NAME)")
         for name in ("seq_len", "max_tokens", "eval_chunks", "batch", "steps", "eval_every", "save_every", "num_heads"):

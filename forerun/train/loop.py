@@ -21,7 +21,7 @@ import torch
 from forerun.errors import ConfigError
 from forerun.train import data, plot, state
 from forerun.train.config import TrainConfig
-from forerun.train.objectives import Objective, eagle_objective, medusa_objective
+from forerun.train.objectives import Objective, dflash_objective, eagle_objective, medusa_objective
 from forerun.train.teacher import cached_hidden_states, lm_head_function
 
 GRAD_CLIP = 1.0
@@ -40,8 +40,8 @@ def train(cfg: TrainConfig, verifier=None, on_step=None) -> Path:
     torch.manual_seed(cfg.seed)
     llm = verifier or LLM(model=cfg.model, dtype=cfg.dtype, device=cfg.device, speculative=None)
     train_set, held_out = _dataset(cfg, llm, out)
-    head = new_head(cfg.method, llm.model, **({"num_heads": cfg.num_heads} if cfg.method == "medusa" else {})).float()
-    if cfg.method == "eagle":  # guesses start on the scale of the verifier's post-norm states
+    head = new_head(cfg.method, llm.model, **({} if cfg.method == "eagle" else {"num_heads": cfg.num_heads})).float()
+    if cfg.method in ("eagle", "dflash"):  # guesses start on the scale of the verifier's post-norm states
         head.norm.weight.data.copy_(llm.model.model.norm.weight.float())
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     done, history = state.load(out, head, opt, cfg.fixed()) if cfg.resume else (0, [])
@@ -76,6 +76,8 @@ def _objective(method: str, head, model):
     if method == "medusa":
         return lambda hidden, tokens: medusa_objective(head, lm_head, hidden)
     embed = model.model.embed_tokens
+    if method == "dflash":
+        return lambda hidden, tokens: dflash_objective(head, embed, lm_head, hidden, tokens)
     return lambda hidden, tokens: eagle_objective(head, embed, lm_head, hidden, tokens)
 
 

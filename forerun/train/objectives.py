@@ -6,6 +6,9 @@ not what the text says. With a chunk of T tokens and its hidden states h [B, T, 
   Medusa head i at position t predicts token t + 2 + i: target p_{t+1+i}, t = 0 .. T-2-i.
   EAGLE pair j = (h_j, x_{j+1}), j = 0 .. T-2, guesses h_{j+1}: smooth-L1 to h_{j+1} plus
         0.1 x cross-entropy of lm_head(guess) against p_{j+1} (EAGLE's weighting).
+  DFlash anchor P (every DFLASH_STRIDE-th position with a whole block after it) reads the
+        pairs (h_t, x_{t+1}), t = P - C .. P - 1, and guesses h_{P+i-1} at block position
+        i = 1 .. block (the law of x_{P+i}): EAGLE's loss per position, averaged.
 Accuracy is top-1 agreement with the verifier (argmax of the head's distribution ==
 argmax of p): the chance a greedy draft token is accepted, teacher-forced.
 """
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from forerun.kv_cache import chain_batch
 
 EAGLE_CE_WEIGHT = 0.1
+DFLASH_STRIDE = 3  # anchors per chunk: every third position (neighbours share most of their context)
 
 
 @dataclass
@@ -66,3 +70,33 @@ def eagle_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Te
     student = lm_head(guess)
     loss = F.smooth_l1_loss(guess, target) + EAGLE_CE_WEIGHT * soft_cross_entropy(student, teacher)
     return Objective(loss, [agreement(student, teacher)])
+
+
+def dflash_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Tensor) -> Objective:
+    """hidden [B, T, H] float32, tokens [B, T] -> the block head's loss over its anchors;
+    accuracy per block position."""
+    B, T, H = hidden.shape
+    C, K = head.config.context, head.config.block
+    anchors = torch.arange(1, T - K + 1, DFLASH_STRIDE, device=hidden.device)  # P, with P + K - 1 <= T - 1
+    A = len(anchors)
+    feats, nxt, valid = block_context(hidden, tokens, anchors, C)
+    guess = head(feats, embed(nxt).to(hidden.dtype), valid)  # [B*A, K, H]
+    target = hidden[:, anchors[:, None] + torch.arange(K, device=hidden.device)].reshape(B * A, K, H)  # h_{P+i-1}
+    with torch.no_grad():
+        teacher = torch.log_softmax(lm_head(target), dim=-1)
+    student = lm_head(guess)
+    ce = soft_cross_entropy(student.flatten(0, 1), teacher.flatten(0, 1))
+    loss = F.smooth_l1_loss(guess, target) + EAGLE_CE_WEIGHT * ce
+    return Objective(loss, [agreement(student[:, i], teacher[:, i]) for i in range(K)])
+
+
+def block_context(hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, C: int):
+    """The block head's inputs at each anchor P of each chunk: (features [B*A, C, H], next
+    tokens [B*A, C], valid [B*A, C]) for the pairs (h_t, x_{t+1}), t = P - C .. P - 1, oldest
+    first; slots with t < 0 are invalid (their values are placeholders)."""
+    B, T, H = hidden.shape
+    A = len(anchors)
+    t = anchors[:, None] - C + torch.arange(C, device=hidden.device)  # [A, C]
+    valid = (t >= 0).expand(B, A, C).reshape(B * A, C)
+    t = t.clamp_min(0)
+    return hidden[:, t].reshape(B * A, C, H), tokens[:, (t + 1).clamp_max(T - 1)].reshape(B * A, C), valid
