@@ -184,12 +184,21 @@ def test_grid_axes_inside_a_method_and_unique_labels(tmp_path):
     from forerun.bench.commands import specs_from
     from forerun.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "--methods", "ngram,draft_model,lookahead,medusa", "--k", "3",
-                                      "--ngram-branches", "1,3", "--draft-model", "a,b"])
+    import json
+
+    heads = {}
+    for method in ("medusa", "eagle"):  # head folders: each goes to its own method, never to draft_model
+        (tmp_path / method).mkdir()
+        (tmp_path / method / "head.json").write_text(json.dumps({"format": "forerun-head", "method": method}))
+        heads[method] = str(tmp_path / method)
+    args = build_parser().parse_args(["bench", "--methods", "ngram,draft_model,lookahead,medusa,eagle", "--k", "3",
+                                      "--ngram-branches", "1,3", "--draft-model", f"a,{heads['eagle']},b,{heads['medusa']}"])
     specs = specs_from(args)
     assert [(s.method, s.ngram_branches, s.draft_model) for s in specs] == [
         ("ngram", 1, None), ("ngram", 3, None), ("draft_model", 1, "a"), ("draft_model", 1, "b"), ("lookahead", 1, None),
-        ("medusa", 1, "a"), ("medusa", 1, "b")]  # self drafters read no draft model; heads are folders like models
+        ("medusa", 1, heads["medusa"]), ("eagle", 1, heads["eagle"])]  # self drafters read no draft model
+    with pytest.raises(ForerunError, match="dflash head folder"):
+        specs_from(build_parser().parse_args(["bench", "--methods", "dflash", "--draft-model", f"a,{heads['eagle']}"]))
     verifier = LLM(tiny_model(seed=0, num_hidden_layers=2))
     drafts = [LLM(tiny_model(seed=s, num_hidden_layers=1)) for s in (1, 2)]
     for d, name in zip(drafts, ("small", "smaller")):

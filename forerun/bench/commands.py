@@ -27,7 +27,7 @@ def add_parsers(sub, common, fmt):
     b.add_argument("--k", default="5", help="comma-separated draft lengths, 'auto' included (e.g. 3,5,auto)")
     b.add_argument("--draft-model", default=None, help="comma-separated draft models for draft_model (same forms as "
                    "--model; another tokenizer is bridged; the first is transformers' assistant) or head folders "
-                   "for medusa / eagle: one cell each")
+                   "for medusa / eagle / dflash (each used by the method it was trained for): one cell each")
     b.add_argument("--ngram-branches", default="1", help="ngram: comma-separated tree widths (1 = chain), one cell each")
     b.add_argument("--out", default="forerun-bench", help="report folder (bench.json, report.md/.html, PNGs)")
     b.add_argument("--resume", action="store_true", help="keep the cells already in OUT/bench.json, run the rest")
@@ -92,8 +92,37 @@ def _variants(method: str, args) -> list[dict]:
     if method == "ngram":
         return [{"ngram_branches": b} for b in _int_list(str(args.ngram_branches)) or (1,)]
     if method not in SELF_DRAFTERS and args.draft_model:
-        return [{"draft_model": d.strip()} for d in args.draft_model.split(",") if d.strip()]
+        listed = [d.strip() for d in args.draft_model.split(",") if d.strip()]
+        if method in HEAD_METHODS:  # head folders: each goes to the method it was trained for
+            listed = _heads_for(method, listed)
+        else:  # a draft model, not a head folder
+            listed = [d for d in listed if not _is_head(d)]
+        return [{"draft_model": d} for d in listed]
     return [{}]
+
+
+HEAD_METHODS = {"medusa", "eagle", "dflash"}
+
+
+def _is_head(entry: str) -> bool:
+    from pathlib import Path
+
+    from forerun.heads.checkpoint import CARD
+
+    return (Path(entry) / CARD).is_file()
+
+
+def _heads_for(method: str, folders: list[str]) -> list[str]:
+    """The --draft-model entries that are `method` heads (head.json says so), so that
+    `--methods eagle,dflash --draft-model E,D` pairs each head with its own method."""
+    from forerun.errors import ConfigError
+    from forerun.heads.checkpoint import read_card
+
+    mine = [f for f in folders if _is_head(f) and read_card(f)["method"] == method]
+    if not mine:
+        raise ConfigError(f"--methods {method}: none of --draft-model {','.join(folders)} is a {method} head folder "
+                          f"(train one with `forerun train --method {method}`)")
+    return mine
 
 
 def cmd_bench(args) -> int:
