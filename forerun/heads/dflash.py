@@ -5,7 +5,9 @@ With the pending token x_P at position P and the verifier's post-norm hidden sta
 (f_t read token x_t and predicted x_{t+1}), the head reads the last `context` pairs
 (f_t, emb(x_{t+1})), t = P - context .. P - 1 (fewer at the start of a sequence: the missing
 slots are masked out), projected 2H -> H and tagged with a learned embedding per slot, and
-`block` learned mask queries, one per block position i = 1 .. block. `num_layers`
+`block` queries, one per block position i = 1 .. block (the newest pair's projection plus
+a learned mask embedding per position, so every query starts from what EAGLE's single step
+reads; without that residual path the block learned 3x slower). `num_layers`
 bidirectional layers (every position sees every other: all of them are at or before P, so
 nothing leaks from the future) mix them; after a final RMSNorm, block position i holds a
 guess of f_{P+i-1}, which the verifier's LM head turns into a distribution over x_{P+i}.
@@ -89,8 +91,9 @@ class DFlashHead(nn.Module):
         before the pending position, oldest first; valid [B, C] bools (False: no such t)
         -> [B, block, H] guesses of f_P .. f_{P+block-1}."""
         B, C, _ = features.shape
-        ctx = self.fc(torch.cat([features, embeds], dim=-1)) + self.slot[-C:]
-        x = torch.cat([ctx, self.mask.expand(B, -1, -1).to(ctx.dtype)], dim=1)  # [B, C + block, H]
+        ctx = self.fc(torch.cat([features, embeds], dim=-1))
+        block = ctx[:, -1:] + self.mask.to(ctx.dtype)  # each query starts from the newest pair (a residual path, as EAGLE's)
+        x = torch.cat([ctx + self.slot[-C:], block], dim=1)  # [B, C + block, H]
         visible = torch.cat([valid, valid.new_ones(B, self.config.block)], dim=1)
         for layer in self.layers:
             x = layer(x, visible)
