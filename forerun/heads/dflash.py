@@ -7,7 +7,8 @@ With the pending token x_P at position P and the verifier's post-norm hidden sta
 slots are masked out), projected 2H -> H and tagged with a learned embedding per slot, and
 `block` queries, one per block position i = 1 .. block (the newest pair's projection plus
 a learned mask embedding per position, so every query starts from what EAGLE's single step
-reads; without that residual path the block learned 3x slower). `num_layers`
+reads; without that residual path the SmolLM2 recipe's held-out first-position agreement
+was 0.10 at step 150 instead of 0.15). `num_layers`
 bidirectional layers (every position sees every other: all of them are at or before P, so
 nothing leaks from the future) mix them; after a final RMSNorm, block position i holds a
 guess of f_{P+i-1}, which the verifier's LM head turns into a distribution over x_{P+i}.
