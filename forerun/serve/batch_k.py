@@ -101,7 +101,7 @@ class BatchK:
                     return 0
                 arm.tried += 1  # counted when chosen: concurrent choices spread over arms
                 return k
-        best = self._best(b)
+        best = self._best(b, allowed)
         gap = self._gap.setdefault(b, self.explore_every)
         if n >= self._next_try.setdefault(b, n + gap) and len(allowed) > 1:
             others = [k for k in allowed if k != best]
@@ -152,14 +152,15 @@ class BatchK:
         for s in sorted((s for s in self._steps if s < b), reverse=True):
             below = self._allowed(s)
             if all(self._stats.get((s, k), Arm()).steps >= self.min_tries for k in below):
-                cap = self._best(s)
+                cap = self._best(s, below)
                 return [k for k in self.arms if k <= cap]
         return list(self.arms)
 
-    def _best(self, b: int) -> int:
-        """The candidate of bucket b with the best measured tokens/s, where a larger k must beat
-        a smaller one by `margin` (switching drafting on costs more than the rates show)."""
-        best, *rest = self._allowed(b)
+    def _best(self, b: int, allowed: list[int] | None = None) -> int:
+        """The candidate of bucket b (of `allowed`, its candidates, when already at hand) with the
+        best measured tokens/s, where a larger k must beat a smaller one by `margin` (switching
+        drafting on costs more than the rates show)."""
+        best, *rest = allowed if allowed is not None else self._allowed(b)
         for k in rest:
             if self.rate(b, k) > self.rate(b, best) * (1 + self.margin):
                 best = k
