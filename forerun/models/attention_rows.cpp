@@ -234,6 +234,30 @@ static void check_cache(const torch::Tensor& k, const torch::Tensor& v) {
               k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "k, v: float32 [rows, Hkv, cap, D]");
 }
 
+// rows [B] as contiguous int64, each checked to be a row of the cache k [rows, Hkv, cap, D].
+static torch::Tensor cache_rows(const torch::Tensor& rows, int64_t B, const torch::Tensor& k) {
+  auto r = rows.to(torch::kLong).contiguous();
+  TORCH_CHECK(r.numel() == B, "rows [B]");
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
+  return r;
+}
+
+// body(b, h, kb, vb, scratch) for every batch entry b and query head h, in parallel; kb / vb
+// point at the K / V of b's cache row (rp[b]) for h's KV head.
+template <class Body>
+static void for_each_head(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64_t D, const int64_t* rp,
+                          const float* kp, const float* vp, Body body) {
+  const int64_t group = H / Hkv;
+  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
+    Scratch s(cap, D);
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const int64_t b = bh / H, h = bh % H, at = (rp[b] * Hkv + h / group) * cap * D;
+      body(b, h, kp + at, vp + at, s);
+    }
+  });
+}
+
 // Attention where query t of batch entry b sees keys [0, limits[b, t]) of its cache row (a
 // chain: every query sees a prefix). q [B, H, T, D]; k/v: the layer's whole cache
 // [rows, Hkv, capacity, D]; rows [B]; limits [B, T] -> [B, H, T, D].
@@ -242,31 +266,25 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
   check_cache(k, v);
   const auto q = q_in.contiguous();
-  const auto row_idx = rows.to(torch::kLong).contiguous();
   const auto lim = limits.to(torch::kLong).contiguous();
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), cap = k.size(2);
   TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "head shapes");
-  TORCH_CHECK(row_idx.numel() == B && lim.size(0) == B && lim.size(1) == T, "rows [B], limits [B, T]");
-  const int64_t group = H / Hkv;
+  TORCH_CHECK(lim.size(0) == B && lim.size(1) == T, "limits [B, T]");
+  const auto row_idx = cache_rows(rows, B, k);
   const float scale = static_cast<float>(scale_d);
   auto out = torch::empty({B, H, T, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t *rp = row_idx.data_ptr<int64_t>(), *lp = lim.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  const int64_t* lp = lim.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "a query must see between 1 and capacity keys");
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
-  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
-    Scratch s(cap, D);
-    for (int64_t bh = bh0; bh < bh1; ++bh) {
-      const int64_t b = bh / H, h = bh % H, hk = h / group;
-      const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
-      const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
-      for (int64_t t = 0; t < T; ++t)
-        attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, lp[b * T + t], D, scale, s, op + ((b * H + h) * T + t) * D);
-    }
-  });
+  for_each_head(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                [&](int64_t b, int64_t h, const float* kb, const float* vb, Scratch& s) {
+                  for (int64_t t = 0; t < T; ++t)
+                    attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, lp[b * T + t], D, scale, s,
+                                      op + ((b * H + h) * T + t) * D);
+                });
   return out;
 }
 
@@ -293,16 +311,15 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
   TORCH_CHECK(qkv_in.dim() == 3 && qkv_in.scalar_type() == torch::kFloat32 && qkv_in.size(2) == (H + 2 * Hkv) * D,
               "qkv: float32 [B, T, (heads + 2 kv_heads) head_dim]");
   TORCH_CHECK(Hkv == k.size(1) && H % Hkv == 0 && D % 2 == 0, "head shapes");
-  const int64_t B = qkv_in.size(0), T = qkv_in.size(1), W = qkv_in.size(2), group = H / Hkv;
+  const int64_t B = qkv_in.size(0), T = qkv_in.size(1), W = qkv_in.size(2);
   const auto qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
               cos.numel() == B * T * D && sin.numel() == B * T * D, "cos, sin: float32 [B, 1, T, head_dim]");
-  const auto row_idx = rows.to(torch::kLong).contiguous();
+  const auto row_idx = cache_rows(rows, B, k);
   const auto slot = slots.to(torch::kLong).contiguous();
-  TORCH_CHECK(row_idx.numel() == B && slot.numel() == B * T, "rows [B], slots [B, T]");
+  TORCH_CHECK(slot.numel() == B * T, "slots [B, T]");
   const int64_t *rp = row_idx.data_ptr<int64_t>(), *sp = slot.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < cap, "slot outside the cache");
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
   auto q = torch::empty({B, H, T, D}, qkv.options());
   auto out = torch::empty({B, T, H * D}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
@@ -320,15 +337,9 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
     }
   });
   const float scale = static_cast<float>(scale_d);
-  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
-    Scratch s(cap, D);
-    for (int64_t bh = bh0; bh < bh1; ++bh) {
-      const int64_t b = bh / H, h = bh % H, hk = h / group;
-      const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
-      const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
-      for (int64_t t = 0; t < T; ++t)
-        attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, sp[b * T + t] + 1, D, scale, s, op + (b * T + t) * H * D + h * D);
-    }
+  for_each_head(B, H, Hkv, cap, D, rp, kp, vp, [&](int64_t b, int64_t h, const float* kb, const float* vb, Scratch& s) {
+    for (int64_t t = 0; t < T; ++t)
+      attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, sp[b * T + t] + 1, D, scale, s, op + (b * T + t) * H * D + h * D);
   });
   return out;
 }
@@ -344,17 +355,15 @@ torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
   check_cache(k, v);
   const auto q = q_in.contiguous();
-  const auto row_idx = rows.to(torch::kLong).contiguous();
   const auto mask = mask_in.to(torch::kBool).contiguous();
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), cap = k.size(2);
   TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "head shapes");
-  TORCH_CHECK(row_idx.numel() == B && mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T && mask.size(2) <= cap,
-              "rows [B], mask [B, T, S] with S <= capacity");
-  const int64_t S = mask.size(2), group = H / Hkv;
+  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T && mask.size(2) <= cap,
+              "mask [B, T, S] with S <= capacity");
+  const auto row_idx = cache_rows(rows, B, k);
+  const int64_t S = mask.size(2);
   const bool* mp = mask.data_ptr<bool>();
-  const int64_t* rp = row_idx.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
   std::vector<std::vector<int32_t>> seen(B * T);  // visible slots per query, in slot order
   for (int64_t i = 0; i < B * T; ++i) {
     for (int64_t j = 0; j < S; ++j)
@@ -363,20 +372,15 @@ torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   }
   const float scale = static_cast<float>(scale_d);
   auto out = torch::empty({B, H, T, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
-    Scratch s(cap, D);
-    for (int64_t bh = bh0; bh < bh1; ++bh) {
-      const int64_t b = bh / H, h = bh % H, hk = h / group;
-      const float* kb = kp + (rp[b] * Hkv + hk) * cap * D;
-      const float* vb = vp + (rp[b] * Hkv + hk) * cap * D;
-      for (int64_t t = 0; t < T; ++t) {
-        const auto& idx = seen[b * T + t];
-        attend_one<true>(qp + ((b * H + h) * T + t) * D, kb, vb, static_cast<int64_t>(idx.size()), D, scale, s,
-                         op + ((b * H + h) * T + t) * D, idx.data());
-      }
-    }
-  });
+  for_each_head(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                [&](int64_t b, int64_t h, const float* kb, const float* vb, Scratch& s) {
+                  for (int64_t t = 0; t < T; ++t) {
+                    const auto& idx = seen[b * T + t];
+                    attend_one<true>(qp + ((b * H + h) * T + t) * D, kb, vb, static_cast<int64_t>(idx.size()), D,
+                                     scale, s, op + ((b * H + h) * T + t) * D, idx.data());
+                  }
+                });
   return out;
 }
