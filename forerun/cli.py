@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     from forerun.train.command import add_parser as add_train
 
     add_train(sub, fmt)
+    from forerun.train.distill import add_parser as add_distill
+
+    add_distill(sub, fmt)
     v = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible HTTP server: continuous batching + speculation")
     _common(v)
     from forerun.serve.flags import add_arguments
@@ -153,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         commands.update(bench=cmd_bench, advise=cmd_advise, drift=cmd_drift)
         from forerun.train.command import cmd_train
 
-        commands["train"] = cmd_train
+        from forerun.train.distill import cmd_distill
+
+        commands.update(train=cmd_train, distill=cmd_distill)
         if args.command == "compare":
             from forerun.bench.compare import cmd_compare
 

@@ -79,6 +79,26 @@ def test_train_then_load_and_draft(verifier, corpus, tmp_path, method):
     assert sum(o.stats.accepted for o in got) > 0
 
 
+def test_train_over_a_reduced_vocabulary(verifier, corpus, tmp_path):
+    """--vocab N: the loss scores ids 0..N-1 (+ EOS) only; the head drafts over them by
+    default (an explicit draft_vocab wins), and output stays plain decoding's."""
+    from forerun.drafters.draft_vocab import head_logits
+
+    out = train(_cfg(tmp_path / "v", corpus, "eagle", steps=20, eval_every=20, save_every=20, vocab=20), verifier=verifier)
+    assert json.loads((out / "head.json").read_text())["training"]["vocab"] == 20
+    h = torch.randn(3, verifier.model.config.hidden_size)
+    z = head_logits(SpeculativeConfig("eagle", 3, draft_model=str(out)), verifier)(h)
+    assert torch.isfinite(z[:, :20]).all() and torch.isinf(z[:, 20:]).all()
+    z = head_logits(SpeculativeConfig("eagle", 3, draft_model=str(out), options={"draft_vocab": 24}), verifier)(h)
+    assert torch.isfinite(z[:, :24]).all() and torch.isinf(z[:, 24:]).all()
+    prompts = torch.randint(1, 32, (3, 6), generator=torch.Generator().manual_seed(4)).tolist()
+    plain = verifier.generate(prompts, GREEDY, speculative=None)
+    got = verifier.generate(prompts, GREEDY, speculative=SpeculativeConfig("eagle", 3, draft_model=str(out)))
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    with pytest.raises(ConfigError, match="--vocab"):
+        _cfg(tmp_path / "w", corpus, "eagle", vocab=1)
+
+
 class FutureHeads:
     """Medusa 'heads' that cheat: head i at position t returns the true h_{t+1+i}."""
 

@@ -11,6 +11,9 @@ because a chat turn must be able to end in a draft.
 """
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -57,14 +60,21 @@ def reduced_head(spec, llm, vocab: int) -> ReducedHead | None:
     if not keep:
         return None
     tok = llm.tokenizer
-    special = set(tok.special_ids) | set(tok.eos_token_ids) if tok is not None else set()
+    special = set(getattr(tok, "special_ids", ())) | set(tok.eos_token_ids) if tok is not None else set()
     ids = kept_ids(min(vocab, llm.model.config.vocab_size), int(keep), special)
     return ReducedHead(llm.model.lm_head, ids, vocab, llm.dtype)
 
 
 def head_logits(spec, verifier):
-    """What a head drafter (Medusa, EAGLE) scores its guesses with: the verifier's own LM
-    head (`hidden_to_logits`), or its reduced_head under draft_vocab. hidden [..., H] -> logits [..., V]."""
+    """What a head drafter (Medusa, EAGLE, block) scores its guesses with: the verifier's own
+    LM head (`hidden_to_logits`), or its reduced_head under draft_vocab (by default the
+    vocabulary the head was trained over, `forerun train --vocab N`). hidden [..., H] -> logits [..., V]."""
+    if "draft_vocab" not in spec.options and isinstance(spec.draft_model, (str, Path)):
+        from forerun.heads.checkpoint import read_card
+
+        trained = read_card(spec.draft_model).get("training", {}).get("vocab")
+        if trained:
+            spec = dataclasses.replace(spec, options={**spec.options, "draft_vocab": trained})
     head = reduced_head(spec, verifier, verifier.model.config.vocab_size)
     return verifier.model.hidden_to_logits if head is None else head
 

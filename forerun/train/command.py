@@ -25,6 +25,8 @@ HELP = {
     "eval_every": "steps between held-out evaluations",
     "save_every": "steps between checkpoints",
     "seed": "seed for the data order, the split and the initial weights",
+    "vocab": "score the loss over token ids 0..N-1 and the special tokens only (the first N ids of a BPE are its "
+             "most frequent): N/V of the vocabulary's cost per step; serve the head with --draft-vocab N",
     "max_minutes": "stop after this many minutes, saving a checkpoint (--resume continues)",
     "resume": "continue the run saved in --out (same arguments)",
 }
@@ -44,6 +46,8 @@ def add_parser(sub, fmt) -> None:
             t.add_argument(flag, action="store_true", help=HELP[f.name])
         elif f.name == "max_minutes":
             t.add_argument(flag, type=float, default=None, help=HELP[f.name])
+        elif f.name == "vocab":
+            t.add_argument(flag, type=int, default=None, help=HELP[f.name])
         else:
             kind = str if f.type in ("str", "str | None") else {"int": int, "float": float}[f.type]
             t.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])

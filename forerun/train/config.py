@@ -7,7 +7,7 @@ from forerun.errors import ConfigError
 
 METHODS = ("medusa", "eagle", "dflash")
 # Arguments a resumed run must share with the run it continues (the rest may change).
-FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup")
+FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup", "vocab")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class TrainConfig:
     eval_every: int = 50
     save_every: int = 100
     seed: int = 0
+    vocab: int | None = None  # score the loss over ids 0..N-1 + special ids only (FR-Spec); serve with draft_vocab N
     max_minutes: float | None = None  # stop (saving a checkpoint) after this long; --resume continues
     resume: bool = False
 
@@ -40,6 +41,8 @@ class TrainConfig:
         for name in ("seq_len", "max_tokens", "eval_chunks", "batch", "steps", "eval_every", "save_every", "num_heads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.vocab is not None and self.vocab < 2:
+            raise ConfigError(f"--vocab must be >= 2 (or unset for the whole vocabulary), got {self.vocab}")
         if self.seq_len < 4 or not self.lr > 0 or self.warmup < 0:
             raise ConfigError("--seq-len must be >= 4, --lr > 0 and --warmup >= 0")
 

@@ -45,9 +45,9 @@ def train(cfg: TrainConfig, verifier=None, on_step=None) -> Path:
         head.norm.weight.data.copy_(llm.model.model.norm.weight.float())
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     done, history = state.load(out, head, opt, cfg.fixed()) if cfg.resume else (0, [])
-    card = {"verifier": llm.name, "verifier_dtype": cfg.dtype, "tokens": int(train_set[0].numel()),
+    card = {"verifier": llm.name, "verifier_dtype": cfg.dtype, "tokens": int(train_set[0].numel()), "train_vocab": cfg.vocab,
             "fingerprint": verifier_fingerprint(llm.model)}
-    step_fn = _objective(cfg.method, head, llm.model)
+    step_fn = _objective(cfg.method, head, llm.model, _kept(llm, cfg.vocab))
     _run(cfg, head, opt, step_fn, train_set, held_out, done, history, card, on_step)
     return out
 
@@ -71,8 +71,19 @@ def _dataset(cfg: TrainConfig, llm, out: Path):
     return (train_tok, hidden[:n]), (held_tok, hidden[n:])
 
 
-def _objective(method: str, head, model):
-    lm_head = lm_head_function(model)
+def _kept(llm, vocab: int | None):
+    """The ids the loss scores under --vocab N (as the draft_vocab option keeps them), or None."""
+    from forerun.drafters.draft_vocab import kept_ids
+
+    if vocab is None:
+        return None
+    tok = llm.tokenizer
+    special = set(getattr(tok, "special_ids", ())) | set(tok.eos_token_ids)
+    return kept_ids(llm.model.config.vocab_size, vocab, special)
+
+
+def _objective(method: str, head, model, kept=None):
+    lm_head = lm_head_function(model, kept)
     if method == "medusa":
         return lambda hidden, tokens: medusa_objective(head, lm_head, hidden)
     embed = model.model.embed_tokens

@@ -53,13 +53,16 @@ def cached_hidden_states(folder: Path, model, chunks: torch.Tensor, key_extra: s
     return hidden
 
 
-def lm_head_function(model):
+def lm_head_function(model, kept: torch.Tensor | None = None):
     """h [..., H] (float32) -> the verifier's logits [..., V], differentiable in h: its LM
-    head's float weights (dequantised for int8 / int4), Gemma's soft-capping included."""
+    head's float weights (dequantised for int8 / int4), Gemma's soft-capping included.
+    kept: ids [n] to score instead of all V (logits [..., n]: the loss and accuracy then
+    compare distributions renormalised over those ids, what a draft_vocab drafter proposes)."""
     from forerun.drafters.draft_vocab import float_rows
 
     V = model.config.vocab_size
-    W = float_rows(model.lm_head, torch.arange(V, device=model.device)).float().detach()  # [V, H]
+    ids = torch.arange(V, device=model.device) if kept is None else kept.to(model.device)
+    W = float_rows(model.lm_head, ids).float().detach()  # [V or n, H]
     cap = getattr(model.config, "final_logit_softcapping", None)
 
     def logits(h: torch.Tensor) -> torch.Tensor:
