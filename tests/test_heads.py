@@ -81,11 +81,14 @@ def test_int8_chains_equal_int8_plain_decoding():
     """At int8 (batch-invariant kernels) a chain's verification gives plain decoding's bits."""
     from forerun.models import int8_kernel
 
+    from forerun.heads.checkpoint import at_verifier_precision
+    from forerun.models.quant import Int8Linear
+
     if int8_kernel.load() is None:
         pytest.skip("needs the compiled int8 kernels")
     llm = LLM(tiny_model(seed=0, dtype="int8", hidden_size=64, intermediate_size=128), dtype="int8")
     plain8 = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, speculative=None)]
-    for method in ("medusa", "eagle"):
+    for method in ("medusa", "eagle", "dflash"):
         head = new_head(method, llm.model)
         torch.manual_seed(3)
         with torch.no_grad():
@@ -93,6 +96,12 @@ def test_int8_chains_equal_int8_plain_decoding():
                 p.normal_(0, 0.3)
         outs = llm.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig(method, 3, draft_model=head))
         assert [o.token_ids for o in outs] == plain8, method
+        # under an int8 verifier the head drafts with int8 linears (a copy: the given head stays float)
+        spec = SpeculativeConfig(method, 3, draft_model=head)
+        assert any(isinstance(m, Int8Linear) for m in at_verifier_precision(head, spec, llm).modules())
+        assert not any(isinstance(m, Int8Linear) for m in head.modules())
+        spec = SpeculativeConfig(method, 3, draft_model=head, options={"head_dtype": "float32"})
+        assert not any(isinstance(m, Int8Linear) for m in at_verifier_precision(head, spec, llm).modules())
 
 
 # -- drafts equal a from-scratch computation ------------------------------------------------

@@ -45,7 +45,7 @@ class DFlashDrafter(MedusaDrafter):
 @register("dflash")
 def _make(spec, verifier, **_) -> DFlashDrafter:
     from forerun.drafters.draft_vocab import head_logits
-    from forerun.heads.checkpoint import load_head
+    from forerun.heads.checkpoint import at_verifier_precision, load_head
 
-    head = load_head(spec.draft_model, "dflash", verifier.model).to(verifier.model.dtype)
+    head = at_verifier_precision(load_head(spec.draft_model, "dflash", verifier.model), spec, verifier)
     return DFlashDrafter(verifier.model, head, TreeOptions.from_spec(spec), head_logits(spec, verifier))

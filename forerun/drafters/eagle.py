@@ -111,7 +111,7 @@ def _pad_rows(x: torch.Tensor, T: int) -> torch.Tensor:
 @register("eagle")
 def _make(spec, verifier, **_) -> EagleDrafter:
     from forerun.drafters.draft_vocab import head_logits
-    from forerun.heads.checkpoint import load_head
+    from forerun.heads.checkpoint import at_verifier_precision, load_head
 
-    head = load_head(spec.draft_model, "eagle", verifier.model).to(verifier.model.dtype)
+    head = at_verifier_precision(load_head(spec.draft_model, "eagle", verifier.model), spec, verifier)
     return EagleDrafter(verifier.model, head, TreeOptions.from_spec(spec), spec.k_max, head_logits(spec, verifier))

@@ -97,7 +97,7 @@ class MedusaDrafter:
 @register("medusa")
 def _make(spec, verifier, **_) -> MedusaDrafter:
     from forerun.drafters.draft_vocab import head_logits
-    from forerun.heads.checkpoint import load_head
+    from forerun.heads.checkpoint import at_verifier_precision, load_head
 
-    heads = load_head(spec.draft_model, "medusa", verifier.model).to(verifier.model.dtype)
+    heads = at_verifier_precision(load_head(spec.draft_model, "medusa", verifier.model), spec, verifier)
     return MedusaDrafter(verifier.model, heads, TreeOptions.from_spec(spec), head_logits(spec, verifier))

@@ -62,7 +62,7 @@ class EagleHead(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
-        c, w = self.config, self.fc.weight
+        c, w = self.config, self.norm.weight  # (fc may be an int8 linear: no .weight)
         return KVCache(1, rows, c.num_key_value_heads, capacity, c.head_dim, w.dtype, w.device)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
