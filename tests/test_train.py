@@ -99,6 +99,48 @@ def test_train_over_a_reduced_vocabulary(verifier, corpus, tmp_path):
         _cfg(tmp_path / "w", corpus, "eagle", vocab=1)
 
 
+def test_training_time_test_steps_equal_drafting_from_guesses():
+    """--unroll: step s of the objective computes, for every column j at once, what drafting
+    computes after the true pairs 0..j: the head fed its own guesses, s - 1 deep."""
+    from forerun.heads.checkpoint import new_head
+    from forerun.kv_cache import chain_batch
+    from forerun.train.objectives import _unrolled_step, eagle_objective
+
+    model = tiny_model(seed=0)
+    dt = model.model.embed_tokens.weight.dtype
+    head = new_head("eagle", model).to(dt)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    B, T, H = 2, 8, model.config.hidden_size
+    hidden, tokens = torch.randn(B, T, H, dtype=dt), torch.randint(0, 32, (B, T))
+    embed, n, cpu = model.model.embed_tokens, T - 1, torch.device("cpu")
+    with torch.no_grad():
+        batch = chain_batch(tokens[:, 1:].tolist(), [0] * B, list(range(B)), cpu)
+        cache = head.new_cache(B, n)
+        g = [head(hidden[:, :-1], embed(batch.tokens), batch, cache)]
+        for s in (2, 3):
+            nxt, cache = _unrolled_step(head, embed, g[-1], tokens, cache, s)
+            g.append(nxt)
+        for b in range(B):
+            for j in range(n - 2):
+                c = head.new_cache(1, j + 3)
+                first = chain_batch([tokens[b, 1 : j + 2].tolist()], [0], [0], cpu)  # true pairs 0..j
+                r = head(hidden[b : b + 1, : j + 1], embed(first.tokens), first, c)[:, -1]
+                torch.testing.assert_close(r[0], g[0][b, j])
+                for s in (2, 3):  # the pair (guess, x_{j+s}) at position j + s - 1
+                    step = chain_batch([[int(tokens[b, j + s])]], [j + s - 1], [0], cpu)
+                    r = head(r[:, None], embed(step.tokens), step, c)[:, -1]
+                    torch.testing.assert_close(r[0], g[s - 1][b, j], atol=1e-5, rtol=1e-4)
+    lm = lambda h: h @ embed.weight.T  # noqa: E731
+    one = eagle_objective(head, embed, lm, hidden, tokens)
+    three = eagle_objective(head, embed, lm, hidden, tokens, unroll=3)
+    assert len(one.accuracy) == 1 and len(three.accuracy) == 3 and three.accuracy[0] == one.accuracy[0]
+    three.loss.backward()  # the steps' K/V chain stays differentiable
+    assert all(p.grad is not None for p in head.parameters())
+
+
 class FutureHeads:
     """Medusa 'heads' that cheat: head i at position t returns the true h_{t+1+i}."""
 

@@ -25,6 +25,8 @@ HELP = {
     "eval_every": "steps between held-out evaluations",
     "save_every": "steps between checkpoints",
     "seed": "seed for the data order, the split and the initial weights",
+    "unroll": "eagle: training-time test (EAGLE-3): steps 2..N feed the head its own guesses, as drafting does "
+              "(each step costs about one more step-1 pass)",
     "vocab": "score the loss over token ids 0..N-1 and the special tokens only (the first N ids of a BPE are its "
              "most frequent): N/V of the vocabulary's cost per step; serve the head with --draft-vocab N",
     "max_minutes": "stop after this many minutes, saving a checkpoint (--resume continues)",

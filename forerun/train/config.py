@@ -7,7 +7,7 @@ from forerun.errors import ConfigError
 
 METHODS = ("medusa", "eagle", "dflash")
 # Arguments a resumed run must share with the run it continues (the rest may change).
-FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup", "vocab")
+FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup", "vocab", "unroll")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class TrainConfig:
     eval_every: int = 50
     save_every: int = 100
     seed: int = 0
+    unroll: int = 1  # eagle: training-time test steps (EAGLE-3): steps 2.. continue from the head's own guesses
     vocab: int | None = None  # score the loss over ids 0..N-1 + special ids only (FR-Spec); serve with draft_vocab N
     max_minutes: float | None = None  # stop (saving a checkpoint) after this long; --resume continues
     resume: bool = False
@@ -38,7 +39,7 @@ class TrainConfig:
             raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not self.data:
             raise ConfigError("--data: give at least one text source (a file, a folder, or pkg:NAME)")
-        for name in ("seq_len", "max_tokens", "eval_chunks", "batch", "steps", "eval_every", "save_every", "num_heads"):
+        for name in ("seq_len", "max_tokens", "eval_chunks", "batch", "steps", "eval_every", "save_every", "num_heads", "unroll"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.vocab is not None and self.vocab < 2:

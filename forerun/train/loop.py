@@ -47,7 +47,7 @@ def train(cfg: TrainConfig, verifier=None, on_step=None) -> Path:
     done, history = state.load(out, head, opt, cfg.fixed()) if cfg.resume else (0, [])
     card = {"verifier": llm.name, "verifier_dtype": cfg.dtype, "tokens": int(train_set[0].numel()), "train_vocab": cfg.vocab,
             "fingerprint": verifier_fingerprint(llm.model)}
-    step_fn = _objective(cfg.method, head, llm.model, _kept(llm, cfg.vocab))
+    step_fn = _objective(cfg.method, head, llm.model, _kept(llm, cfg.vocab), cfg.unroll)
     _run(cfg, head, opt, step_fn, train_set, held_out, done, history, card, on_step)
     return out
 
@@ -82,14 +82,14 @@ def _kept(llm, vocab: int | None):
     return kept_ids(llm.model.config.vocab_size, vocab, special)
 
 
-def _objective(method: str, head, model, kept=None):
+def _objective(method: str, head, model, kept=None, unroll: int = 1):
     lm_head = lm_head_function(model, kept)
     if method == "medusa":
         return lambda hidden, tokens: medusa_objective(head, lm_head, hidden)
     embed = model.model.embed_tokens
     if method == "dflash":
         return lambda hidden, tokens: dflash_objective(head, embed, lm_head, hidden, tokens)
-    return lambda hidden, tokens: eagle_objective(head, embed, lm_head, hidden, tokens)
+    return lambda hidden, tokens: eagle_objective(head, embed, lm_head, hidden, tokens, unroll)
 
 
 def _run(cfg: TrainConfig, head, opt, step_fn, train_set, held_out, done: int, history: list[dict], card: dict, on_step):

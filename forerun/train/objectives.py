@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from forerun.kv_cache import chain_batch
+from forerun.kv_cache import ForwardBatch, chain_batch
 
 EAGLE_CE_WEIGHT = 0.1
 DFLASH_STRIDE = 3  # anchors per chunk: every third position (neighbours share most of their context)
@@ -59,17 +59,51 @@ def medusa_objective(heads, lm_head, hidden: torch.Tensor) -> Objective:
     return Objective(loss / K, acc)
 
 
-def eagle_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Tensor) -> Objective:
-    """hidden [B, T, H] float32, tokens [B, T] -> EAGLE's loss over the T - 1 pairs."""
+def eagle_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Tensor, unroll: int = 1) -> Objective:
+    """hidden [B, T, H] float32, tokens [B, T] -> EAGLE's loss over the T - 1 pairs, averaged
+    over `unroll` steps; accuracy per step.
+
+    Step 1 is teacher-forced: pair j = (h_j, x_{j+1}) guesses g1_{j+1}. Step s > 1 is the
+    training-time test of EAGLE-3: the pair (g_{s-1} for h_{j+s-1}, x_{j+s}) at position
+    j + s - 1 guesses h_{j+s}, attending to the true pairs 0..j and to its own column's
+    earlier guesses only, as drafting does (true pairs up to the last verified token, then
+    the head's own guesses), so the head learns to continue from its own guesses."""
     B, T, _ = hidden.shape
+    n = T - 1
     batch = chain_batch(tokens[:, 1:].tolist(), [0] * B, list(range(B)), hidden.device)  # pair j at position j
-    guess = head(hidden[:, :-1], embed(batch.tokens).to(hidden.dtype), batch, head.new_cache(B, T - 1))  # [B, T-1, H]
-    target = hidden[:, 1:]
+    cache = head.new_cache(B, n)
+    guess = head(hidden[:, :-1], embed(batch.tokens).to(hidden.dtype), batch, cache)  # [B, n, H]
     with torch.no_grad():
-        teacher = torch.log_softmax(lm_head(target), dim=-1)
-    student = lm_head(guess)
-    loss = F.smooth_l1_loss(guess, target) + EAGLE_CE_WEIGHT * soft_cross_entropy(student, teacher)
-    return Objective(loss, [agreement(student, teacher)])
+        teacher = torch.log_softmax(lm_head(hidden[:, 1:]), dim=-1)  # [B, n, V]: p_{j+1}
+    loss, acc = hidden.new_zeros(()), []
+    for s in range(1, min(unroll, n) + 1):
+        if s > 1:
+            guess, cache = _unrolled_step(head, embed, guess, tokens, cache, s)
+        m = n - (s - 1)  # queries j = 0 .. m-1 have a target h_{j+s}
+        student = lm_head(guess[:, :m])
+        loss = loss + F.smooth_l1_loss(guess[:, :m], hidden[:, s:]) + EAGLE_CE_WEIGHT * soft_cross_entropy(student, teacher[:, s - 1 :])
+        acc.append(agreement(student, teacher[:, s - 1 :]))
+    return Objective(loss / len(acc), acc)
+
+
+def _unrolled_step(head, embed, prev: torch.Tensor, tokens: torch.Tensor, cache, s: int):
+    """Step s of the training-time test: prev [B, n, H] (column j: the guess of h_{j+s-1})
+    -> (guesses [B, n, H] of h_{j+s}, the cache with this step's pairs at slots (s-1)n + j).
+    Columns past the chunk's end read a clamped token; their guesses are never scored."""
+    B, n, _ = prev.shape
+    dev = prev.device
+    j = torch.arange(n, device=dev)
+    grown = head.new_cache(B, s * n)  # a fresh tensor: the earlier steps' K/V stay intact for backward
+    for old, new in zip(cache.k + cache.v, grown.k + grown.v):
+        new[:, :, : (s - 1) * n] = old[:, :, : (s - 1) * n]
+    mask = torch.zeros(n, s * n, dtype=torch.bool, device=dev)
+    mask[:, :n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # true pairs 0..j
+    for i in range(1, s):
+        mask[j, i * n + j] = True  # this column's guess-pairs of steps 2..s
+    toks = tokens[:, (j + s).clamp_max(tokens.shape[1] - 1)]  # x_{j+s}
+    batch = ForwardBatch(tokens=toks, positions=(j + s - 1).expand(B, n), slots=((s - 1) * n + j).expand(B, n),
+                         rows=list(range(B)), kv_len=s * n, mask=mask.expand(B, 1, n, s * n), attention="mask")
+    return head(prev, embed(toks).to(prev.dtype), batch, grown), grown
 
 
 def dflash_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Tensor) -> Objective:
