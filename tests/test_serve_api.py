@@ -85,6 +85,8 @@ BAD = [
     ({"prompt": "x", "model": "gpt-4"}, 404),
     ({"prompt": "x", "speculative": {"method": "eagle"}}, 400),
     ({"prompt": "x", "speculative": {"k": -1}}, 400),
+    ({"prompt": "x", "frequency_penalty": False}, 400),  # False == 0, but not a number (found by the fuzz test)
+    ({"prompt": "x", "presence_penalty": 0.5}, 400),  # penalties are not supported
     ({}, 400),
 ]
 

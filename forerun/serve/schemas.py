@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
 
@@ -44,6 +44,13 @@ class Sampling(Strict):
     presence_penalty: Literal[0, 0.0] = 0.0
     frequency_penalty: Literal[0, 0.0] = 0.0
     speculative: SpeculativeOptions | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _penalty_is_a_number(cls, v):
+        if isinstance(v, bool):  # False == 0 passes a Literal[0] check even in strict mode
+            raise ValueError("penalties are not supported: leave them out or send the number 0")
+        return v
 
     @model_validator(mode="after")
     def _stops(self):

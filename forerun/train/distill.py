@@ -21,7 +21,8 @@ def add_parser(sub, fmt) -> None:
     d = sub.add_parser("distill", formatter_class=fmt,
                        help="self-distillation data: the verifier answers requests built from --data (JSONL for `forerun train`)")
     d.add_argument("--model", default=None, help="the verifier (model folder, .gguf, hub id or embedded name)")
-    d.add_argument("--dtype", default="float32", help="the verifier's precision while answering")
+    d.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "int8", "int4"),
+                   help="the verifier's precision while answering")
     d.add_argument("--data", action="append", default=[], required=True,
                    help="request sources, repeatable: a file, a folder or pkg:NAME (as `forerun train --data`)")
     d.add_argument("--out", required=True, help="JSONL file the conversations are appended to")
