@@ -59,10 +59,16 @@ def reduced_head(spec, llm, vocab: int) -> ReducedHead | None:
     keep = spec.options.get("draft_vocab")
     if not keep:
         return None
+    return ReducedHead(llm.model.lm_head, llm_kept_ids(llm, int(keep), vocab), vocab, llm.dtype)
+
+
+def llm_kept_ids(llm, keep: int, vocab: int | None = None) -> torch.Tensor:
+    """kept_ids for an LLM: its first `keep` ids + its tokenizer's special and EOS ids, below
+    min(vocab, the model's vocabulary). Drafting (draft_vocab) and training (--vocab) share it."""
     tok = llm.tokenizer
     special = set(getattr(tok, "special_ids", ())) | set(tok.eos_token_ids) if tok is not None else set()
-    ids = kept_ids(min(vocab, llm.model.config.vocab_size), int(keep), special)
-    return ReducedHead(llm.model.lm_head, ids, vocab, llm.dtype)
+    size = llm.model.config.vocab_size
+    return kept_ids(size if vocab is None else min(vocab, size), keep, special)
 
 
 def head_logits(spec, verifier):

@@ -115,7 +115,7 @@ def prose_snippets(text: str) -> list[Snippet]:
         lines = [ln.strip() for ln in block.strip().splitlines()]
         if not lines:
             continue
-        if len(lines) == 2 and set(lines[1]) <= set("=-~^*#") or (lines and lines[0].startswith("#")):
+        if len(lines) == 2 and set(lines[1]) <= set("=-~^*#") or lines[0].startswith("#"):
             topic = lines[0].lstrip("# ").strip() or topic
             continue
         if any(ln.startswith(("..", ">>>", "|", ":", "```", "    ")) for ln in lines) or API_HEADINGS.match(lines[0]):
@@ -162,10 +162,7 @@ def requests(specs: list[str], count: int, seed: int, math_share: float = 0.15, 
     prose in turn where both exist), in a seeded order."""
     rng = random.Random(seed)
     pool = snippets(specs, count, seed)
-    code = [s for s in pool if s.kind == "code"]
-    prose = [s for s in pool if s.kind == "prose"]
-    rng.shuffle(code)
-    rng.shuffle(prose)
+    code, prose = _shuffled_kinds(pool, rng)
     out = []
     for i in range(count):
         r = rng.random()
@@ -179,9 +176,15 @@ def requests(specs: list[str], count: int, seed: int, math_share: float = 0.15, 
         s = (code if use_code else prose).pop()
         tasks = CODE_TASKS if use_code else [t for t in PROSE_TASKS if "{topic}" not in t or s.fields["topic"]]
         out.append(rng.choice(tasks).format(**s.fields))
-        if not code and not prose:
-            pool_again = [x for x in pool]  # every snippet used once: reuse them with other tasks
-            rng.shuffle(pool_again)
-            code = [x for x in pool_again if x.kind == "code"]
-            prose = [x for x in pool_again if x.kind == "prose"]
+        if not code and not prose:  # every snippet used once: reuse them with other tasks
+            code, prose = _shuffled_kinds(pool, rng)
     return out
+
+
+def _shuffled_kinds(pool: list[Snippet], rng: random.Random) -> tuple[list[Snippet], list[Snippet]]:
+    """(code snippets, prose snippets) of the pool, each in a seeded shuffle."""
+    code = [s for s in pool if s.kind == "code"]
+    prose = [s for s in pool if s.kind == "prose"]
+    rng.shuffle(code)
+    rng.shuffle(prose)
+    return code, prose

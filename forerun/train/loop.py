@@ -45,7 +45,7 @@ def train(cfg: TrainConfig, verifier=None, on_step=None) -> Path:
         head.norm.weight.data.copy_(llm.model.model.norm.weight.float())
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     done, history = state.load(out, head, opt, cfg.fixed()) if cfg.resume else (0, [])
-    card = {"verifier": llm.name, "verifier_dtype": cfg.dtype, "tokens": int(train_set[0].numel()), "train_vocab": cfg.vocab,
+    card = {"verifier": llm.name, "verifier_dtype": cfg.dtype, "tokens": int(train_set[0].numel()),
             "fingerprint": verifier_fingerprint(llm.model)}
     step_fn = _objective(cfg.method, head, llm.model, _kept(llm, cfg.vocab), cfg.unroll)
     _run(cfg, head, opt, step_fn, train_set, held_out, done, history, card, on_step)
@@ -73,13 +73,9 @@ def _dataset(cfg: TrainConfig, llm, out: Path):
 
 def _kept(llm, vocab: int | None):
     """The ids the loss scores under --vocab N (as the draft_vocab option keeps them), or None."""
-    from forerun.drafters.draft_vocab import kept_ids
+    from forerun.drafters.draft_vocab import llm_kept_ids
 
-    if vocab is None:
-        return None
-    tok = llm.tokenizer
-    special = set(getattr(tok, "special_ids", ())) | set(tok.eos_token_ids)
-    return kept_ids(llm.model.config.vocab_size, vocab, special)
+    return None if vocab is None else llm_kept_ids(llm, vocab)
 
 
 def _objective(method: str, head, model, kept=None, unroll: int = 1):
