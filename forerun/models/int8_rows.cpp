@@ -32,6 +32,11 @@
 // broadcast: within the 32 registers), so verifying k + 1 <= 8 tokens streams each weight
 // once. M is padded to a multiple of 48 and K to one of 4 (zero weights).
 constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 3, K_GROUP = 4, MAX_TOKENS = 8;
+// With 3+ tokens the dot products take long enough that the hardware prefetcher falls
+// behind DRAM: ask for each block's weights 2 KB (32 groups) ahead into L2. Measured on
+// the 1.5B's layer shapes, interleaved runs: 6 tokens 1.24x -> 1.05x one token's time.
+constexpr int64_t PREFETCH_GROUPS = 32;
+constexpr int PREFETCH_MIN_TOKENS = 3;
 
 // acc[b * TB + t] += <activations of token t, weights of output block b> over all of K.
 template <int TB>
@@ -42,6 +47,9 @@ static inline void chunk_dots(const uint8_t* q, int64_t Kp, const int8_t* w, int
     for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_setzero_si512();
   for (int64_t g = 0; g < G; ++g) {
     __m512i wv[CHUNK_BLOCKS];
+    if (TB >= PREFETCH_MIN_TOKENS)  // past a block's end this reads the next one's (or the next chunk's)
+      for (int b = 0; b < CHUNK_BLOCKS; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (b * G + g + PREFETCH_GROUPS) * 64), _MM_HINT_T1);
     for (int b = 0; b < CHUNK_BLOCKS; ++b) wv[b] = _mm512_loadu_si512(w + (b * G + g) * 64);
     for (int t = 0; t < TB; ++t) {
       int32_t four;
