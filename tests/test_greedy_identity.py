@@ -61,6 +61,28 @@ def test_self_draft_accepts_everything(verifier, plain):
     assert st.accepted == st.drafted and st.rejections == 0
 
 
+def test_catch_up_rides_in_the_first_draft_forward(verifier, plain):
+    """After a fully accepted draft the drafter must feed two tokens (the last draft and the
+    bonus); they go into the step's first forward, so every drafter forward past the prompts
+    drafts exactly one token."""
+    draft = LLM(tiny_model(seed=0))  # the verifier's weights in another module: all accepted
+    widths = []
+    forward = draft.model.forward
+
+    def counted(batch, *a, **kw):
+        widths.append(batch.tokens.shape[1])
+        return forward(batch, *a, **kw)
+
+    draft.model.forward = counted
+    spec = SpeculativeConfig("draft_model", 4, draft_model=draft)
+    for prompt, want in zip(PROMPTS, plain):
+        widths.clear()
+        out = verifier.generate([prompt], GREEDY, speculative=spec)[0]
+        assert out.token_ids == want and out.stats.rejections == 0
+        steps = widths[1:] if len(prompt) > 2 else widths  # a longer prompt is written first, on its own
+        assert max(steps) == 2 and len(steps) == out.stats.drafted  # one forward per drafted token
+
+
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3), "draft"])
 def test_batched_equals_one_by_one(verifier, spec):
     if spec == "draft":
