@@ -104,6 +104,8 @@ class SpeculativeConfig:
         draft_vocab = self.options.get("draft_vocab")
         if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 2):
             raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores), got {draft_vocab!r}")
+        if not isinstance(self.options.get("draft_vocab_context", True), bool):
+            raise ConfigError("options['draft_vocab_context'] must be true or false (score the context's ids too)")
         if self.acceptance not in ACCEPTANCE:
             raise ConfigError(f"acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
         eps, alpha = self.options.get("typical_epsilon", 0.09), self.options.get("typical_alpha", 0.3)

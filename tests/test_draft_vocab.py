@@ -1,9 +1,10 @@
 """A draft model whose head scores only part of the vocabulary (draft_vocab): the verifier
 still decides over all of it, so greedy output is unchanged and sampling keeps its law."""
 import pytest
+import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.drafters.draft_vocab import kept_ids
+from forerun.drafters.draft_vocab import kept_ids, reduced_head
 from forerun.errors import ConfigError
 from forerun.llm import LLM
 from forerun.metrics import merge
@@ -43,3 +44,43 @@ def test_kept_ids_and_bad_values():
     assert kept_ids(6, 10, set()).tolist() == [0, 1, 2, 3, 4, 5]
     with pytest.raises(ConfigError, match="draft_vocab"):
         SpeculativeConfig("draft_model", 4, options={"draft_vocab": 1})
+
+
+def test_reduced_head_scores_extra_ids_like_the_full_head():
+    llm = LLM(tiny_model(seed=0, dtype="float64", vocab_size=64), dtype="float64")
+    head = reduced_head(SpeculativeConfig("draft_model", 4, options={"draft_vocab": 12}), llm, 64)
+    hidden = torch.randn(3, llm.model.config.hidden_size, dtype=torch.float64)
+    full = llm.model.hidden_to_logits(hidden)
+    got = head(hidden, [20, 40])
+    finite = torch.isfinite(got[0]).nonzero().flatten().tolist()
+    assert finite == list(range(12)) + [20, 40]
+    assert torch.allclose(got[:, [5, 20, 40]], full[:, [5, 20, 40]].float(), atol=1e-5)
+    assert torch.isfinite(head(hidden)[0]).sum() == 12  # no extra ids: the kept set only
+
+
+def test_context_ids_are_drafted():
+    """Ids outside the kept set that the context holds (the prompt's, the output's so far):
+    with draft_vocab_context the drafter (the verifier's own weights) proposes them, so only a
+    token outside both can be rejected; without, every one outside the kept set is. Output is
+    plain decoding's either way."""
+    verifier = LLM(tiny_model(seed=0, num_hidden_layers=2, vocab_size=64))
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    prompts = [[30, 41, 50, 30, 41, 50, 30, 41], [60, 33, 60, 33, 2]]
+    plain = [o.token_ids for o in verifier.generate(prompts, greedy, speculative=None)]
+    stats = {}
+    for context in (True, False):
+        draft = LLM(tiny_model(seed=0, num_hidden_layers=2, vocab_size=64))
+        spec = SpeculativeConfig("draft_model", 4, draft_model=draft,
+                                 options={"draft_vocab": 8, "draft_vocab_context": context})
+        outs = verifier.generate(prompts, greedy, speculative=spec)
+        assert [o.token_ids for o in outs] == plain
+        stats[context] = merge([o.stats for o in outs])
+    # with context, a rejection needs a token new to its row's context and outside the kept set
+    new_outside = sum(len({t for t in out if t >= 8} - set(p)) for out, p in zip(plain, prompts))
+    assert stats[True].rejections <= new_outside < stats[False].rejections
+    assert stats[True].accepted > stats[False].accepted
+
+
+def test_draft_vocab_context_must_be_a_bool():
+    with pytest.raises(ConfigError, match="draft_vocab_context"):
+        SpeculativeConfig("draft_model", 4, options={"draft_vocab": 8, "draft_vocab_context": "yes"})

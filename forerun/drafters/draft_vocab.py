@@ -8,6 +8,13 @@ Which tokens: a byte-level BPE numbers its tokens in merge order, and merges are
 most-frequent first, so the first N ids are a frequency ranking the tokenizer already holds;
 every id past the base vocabulary (special tokens: <|im_end|>, <|endoftext|>...) is kept too,
 because a chat turn must be able to end in a draft.
+
+A draft model also scores its rows' context ids outside that set (`context` below: the
+prompt's and the output's tokens so far, gathered from the full head as float rows): names,
+numbers and rare words are copied from the prompt far more often than chance. Qwen2.5-Coder-1.5B's
+greedy answers to 2 prompts of each Spec-Bench subtask and HumanEval: the first 32,768 ids cover
+92.9% of their tokens, with the prompt's ids 96.7% (summarization 89.6% -> 99.5%); the first
+65,536 ids 98.1%, with the prompt's 99.7%.
 """
 from __future__ import annotations
 
@@ -29,14 +36,21 @@ def kept_ids(vocab_size: int, keep: int, special_ids: set[int]) -> torch.Tensor:
 
 def float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The head's float weights [len(ids), hidden] for the kept rows, whatever its kind
-    (nn.Linear, forerun's float32 kernel or int4 linear, or its int8 linear: scale x int8 rows)."""
+    (nn.Linear, forerun's float32 kernel, its int8 linear: scale x int8 rows, or its int4
+    linear: only those rows dequantised)."""
     if hasattr(head, "weight_int8"):
         return head.weight_int8[ids].float() * head.weight_scale[ids, None]
+    if hasattr(head, "weight_u4"):
+        from forerun.models.quant4 import dequantize_groups
+
+        return dequantize_groups(head.weight_u4[ids], head.weight_d[ids], head.weight_m[ids], head.in_features)
     return head.weight.detach()[ids]
 
 
 class ReducedHead(nn.Module):
-    """hidden [B, C] -> logits [B, V] with -inf outside the kept ids (the verifier's width)."""
+    """hidden [B, C] -> logits [B, V] with -inf outside the kept ids (the verifier's width),
+    and outside the `extra` ids given per call (context ids, scored through float rows of the
+    full head, gathered once per distinct set)."""
 
     def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int, dtype: str):
         super().__init__()
@@ -46,11 +60,24 @@ class ReducedHead(nn.Module):
         self.head = _like(sub, dtype)
         self.register_buffer("ids", ids, persistent=False)
         self.vocab_size = vocab_size
+        self.kept = set(ids.tolist())
+        self.full_size = head.out_features  # rows of the full head: context ids must be below it
+        self._full_rows = lambda extra: float_rows(head, extra)  # a plain callable: not a submodule
+        self._extra: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None  # (ids, id tensor, rows)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, extra: list[int] | None = None) -> torch.Tensor:
+        """extra: sorted ids outside the kept set to score as well (None or empty: none)."""
         sub = self.head(hidden).float()
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.ids, sub)
+        full.index_copy_(-1, self.ids, sub)
+        if extra:
+            key = tuple(extra)
+            if self._extra is None or self._extra[0] != key:
+                at = torch.tensor(key, dtype=torch.long, device=self.ids.device)
+                self._extra = (key, at, self._full_rows(at).float())  # [n, hidden]
+            _, at, rows = self._extra
+            full.index_copy_(-1, at, hidden.float() @ rows.T)
+        return full
 
 
 def reduced_head(spec, llm, vocab: int) -> ReducedHead | None:
