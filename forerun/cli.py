@@ -52,7 +52,8 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest n-gram matched")
     p.add_argument("--ngram-branches", type=int, default=1, help="ngram: verify up to N matches as a token tree")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft_model: score only the first N token ids (+ special tokens) in the drafter's head")
+                   help="draft_model: score only the first N token ids (+ special tokens, + the ids of each row's prompt "
+                        "and output so far) in the drafter's head; heads: the ids they were trained over by default")
     p.add_argument("--tree-width", type=int, default=1,
                    help="draft_model: candidates at the first position (a tree); medusa / eagle / dflash: top candidates per node (a tree of 16 nodes)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
