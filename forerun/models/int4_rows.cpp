@@ -164,15 +164,17 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
   quantize_rows(x.data_ptr<float>(), N, K, Kp, norm_w.numel() ? norm_w.data_ptr<float>() : nullptr, eps, 1.0f / xs,
                 zero, q.data(), row_max.data());
   std::vector<int8_t> act(N * Kp);  // a = q - zero
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t s = 0;
-      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
-        act[i * Kp + k] = static_cast<int8_t>(int32_t(q[i * Kp + k]) - zero);
-        s += act[i * Kp + k];
+  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {  // rows are independent (integer sums: exact)
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t s = 0;
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+          act[i * Kp + k] = static_cast<int8_t>(int32_t(q[i * Kp + k]) - zero);
+          s += act[i * Kp + k];
+        }
+        sa[i * G + g] = static_cast<float>(s);
       }
-      sa[i * G + g] = static_cast<float>(s);
-    }
+  });
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
   auto out = torch::empty(out_shape, x.options());

@@ -97,26 +97,58 @@ torch::Tensor rms_norm_rows(torch::Tensor x_in, torch::Tensor w, double eps) {
   return out;
 }
 
+// max |r[k]| over a row. Any order gives the same float (max is exact), so AVX512 may do it.
+static inline float max_abs(const float* r, int64_t K) {
+  float s = 0.f;
+  int64_t k = 0;
+#ifdef FORERUN_VNNI
+  __m512 m = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
+  s = _mm512_reduce_max_ps(m);
+#endif
+  for (; k < K; ++k) s = std::max(s, std::fabs(r[k]));
+  return s;
+}
+
+// Step 1-2 for one row: q[k] = clamp(nearbyint(fma(r[k] / s, inv, zero)), 0, 255). Each element's
+// division, fused multiply-add and round-to-nearest-even are exact IEEE operations, so the
+// 16-wide loop gives the scalar loop's bytes.
+static inline void quantize_row(const float* r, int64_t K, float s, float inv, int32_t zero, uint8_t* q) {
+  int64_t k = 0;
+#ifdef FORERUN_VNNI
+  const __m512 sv = _mm512_set1_ps(s), iv = _mm512_set1_ps(inv), zv = _mm512_set1_ps(static_cast<float>(zero));
+  const __m512 lo = _mm512_setzero_ps(), hi = _mm512_set1_ps(255.f);
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_fmadd_ps(_mm512_div_ps(_mm512_loadu_ps(r + k), sv), iv, zv);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)));
+  }
+#endif
+  for (; k < K; ++k) {
+    const float v = std::nearbyint(std::fma(r[k] / s, inv, static_cast<float>(zero)));  // fbgemm: fma, then round
+    q[k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
+  }
+}
+
 // Step 0-2 of the numerics above for N rows of K floats: q [N, Kp] (padding left as it
 // is), row_max [N]. Shared with int4_rows.cpp, so both kernels see the same activation bytes.
+// Rows are independent, so several run on separate threads with the same bits.
 void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, float inv,
                    int32_t zero, uint8_t* q, float* row_max) {
-  std::vector<float> normed(nw ? K : 0);
-  for (int64_t i = 0; i < N; ++i) {
-    const float* r = xp + i * K;
-    if (nw) {
-      norm_row(r, nw, K, eps, normed.data());
-      r = normed.data();
+  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> normed(nw ? K : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* r = xp + i * K;
+      if (nw) {
+        norm_row(r, nw, K, eps, normed.data());
+        r = normed.data();
+      }
+      const float s = std::max(max_abs(r, K), 1e-12f);
+      row_max[i] = s;
+      quantize_row(r, K, s, inv, zero, q + i * Kp);
     }
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s = std::max(s, std::fabs(r[k]));
-    s = std::max(s, 1e-12f);
-    row_max[i] = s;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = std::nearbyint(std::fma(r[k] / s, inv, static_cast<float>(zero)));  // fbgemm: fma, then round
-      q[i * Kp + k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
-    }
-  }
+  });
 }
 
 // x [..., K] float32; w_packed [Mp/16, Kp/4, 16, 4] int8; w_scale, colsum, bias (or empty) [M];
