@@ -25,7 +25,7 @@ def test_greedy_output_is_unchanged(dtype):
     assert [o.token_ids for o in outs] == plain
     st = merge([o.stats for o in outs])
     assert st.accepted > 0 and st.drafted > st.accepted
-    assert verifier._drafter(spec).head.ids.tolist() == list(range(12))  # no tokenizer: no special ids
+    assert verifier._drafter(spec).head.head.ids.tolist() == list(range(12))  # no tokenizer: no special ids
 
 
 def test_sampling_keeps_the_verifiers_law():
@@ -48,7 +48,7 @@ def test_kept_ids_and_bad_values():
 
 def test_reduced_head_scores_extra_ids_like_the_full_head():
     llm = LLM(tiny_model(seed=0, dtype="float64", vocab_size=64), dtype="float64")
-    head = reduced_head(SpeculativeConfig("draft_model", 4, options={"draft_vocab": 12}), llm, 64)
+    head = reduced_head(SpeculativeConfig("draft_model", 4, options={"draft_vocab": 12}), llm, 64).head  # a ContextHead's
     hidden = torch.randn(3, llm.model.config.hidden_size, dtype=torch.float64)
     full = llm.model.hidden_to_logits(hidden)
     got = head(hidden, [20, 40])

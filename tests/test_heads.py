@@ -49,16 +49,23 @@ def test_greedy_identity(verifier, plain, heads, method, k, shape):
     assert alone == plain
 
 
+@pytest.mark.parametrize("context", [True, False])
 @pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
-def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plain, heads, method):
-    spec = SpeculativeConfig(method, 3, draft_model=heads[method], tree_width=2, options={"draft_vocab": 12, "tree_nodes": 5})
+def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plain, heads, method, context):
+    """Drafts come from the first 12 ids, or (draft_vocab_context, the default) from the
+    ids already in the rows' context."""
+    spec = SpeculativeConfig(method, 3, draft_model=heads[method], tree_width=2,
+                             options={"draft_vocab": 12, "tree_nodes": 5, "draft_vocab_context": context})
     drafted = []
     d = verifier._drafter(spec)
     real = d.propose
     d.propose = lambda *a: [drafted.extend(x.tokens) or x for x in real(*a)]
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
     assert [o.token_ids for o in outs] == plain
-    assert drafted and max(drafted) < 12
+    seen = {t for p, out in zip(PROMPTS, plain) for t in p + out}
+    assert drafted and all(t < 12 or (context and t in seen) for t in drafted)
+    if context and any(t >= 12 for t in seen):
+        assert any(t >= 12 for t in drafted)  # context ids are drafted
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])

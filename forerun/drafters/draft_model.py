@@ -13,7 +13,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest, register
-from forerun.drafters.draft_vocab import reduced_head
+from forerun.drafters.draft_vocab import for_rows, forget_row, reduced_head, reset_rows
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
@@ -30,13 +30,12 @@ INLINE_FEED = 2
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None, p_min: float = 0.0,
-                 context: bool = True):
+    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None, p_min: float = 0.0):
         self.model = model
         self.p_min = p_min  # stop a row's draft where the drafter's top probability falls below this (llama.cpp's p_min)
         self.vocab_size = vocab_size or model.config.vocab_size  # the verifier's logit width
         self.tree_width = tree_width  # >1: extra candidates for the first drafted position
-        self.head = head  # a ReducedHead (draft_vocab), or None: the model's own LM head
+        self.head = head  # draft_vocab: a ReducedHead (or ContextHead: + the rows' context ids); None: the model's own LM head
         self.cache = None
         self.synced: dict[int, int] = {}  # row -> committed tokens whose KV is in the draft cache
         self.tail: dict[int, list[int]] = {}  # row -> drafted tokens written right after them
@@ -48,23 +47,20 @@ class DraftModelDrafter:
         self.catch_up_seconds = 0.0
         self.prompt_seconds = 0.0
         self.fed_tokens = 0  # tokens behind those two figures (their seconds per token: the cost of a feed)
-        # A reduced head (draft_vocab) also scores each row's context ids outside its kept set
-        # (option draft_vocab_context, on by default): row -> (those ids, tokens scanned so far).
-        self.context = context if head is not None else False
-        self.outside: dict[int, tuple[set[int], int]] = {}
 
     def max_draft_nodes(self, k: int) -> int:
         return k + self.tree_width - 1
 
     def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
         self.cache = self.model.new_cache(num_rows, capacity)
-        self.synced, self.tail, self.outside = {}, {}, {}
+        self.synced, self.tail = {}, {}
+        reset_rows(self.head)
 
     def release(self, row: int) -> None:
         """A new sequence takes this row (the server's continuous batching)."""
         self.synced.pop(row, None)
         self.tail.pop(row, None)
-        self.outside.pop(row, None)
+        forget_row(self.head, row)
 
     def unfed(self, row: int, tokens: list[int]) -> int:
         """Tokens of a row the next drafting step would feed beyond a drafting step's usual 1-2
@@ -90,7 +86,7 @@ class DraftModelDrafter:
         siblings: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # row -> extra first tokens
         fed_all: set[int] = set()  # rows stopped by p_min: their last drafted token's K/V is written too
         feeds = [self._catch_up(r) for r in live]
-        extra = self._context_ids(live)
+        for_rows(self.head, live)
         starts, new = [s for s, _ in feeds], [toks for _, toks in feeds]
         long = [i for i, (_, toks) in enumerate(feeds) if len(toks) > INLINE_FEED]  # prompts, skipped steps
         if long:
@@ -109,7 +105,7 @@ class DraftModelDrafter:
             if not live:  # every row stopped early (p_min)
                 break
             batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # 1 token per row (step 0: 1-2)
-            logits = self._logits(batch, [len(t) - 1 for t in new], extra)  # [B, V] at each row's last token
+            logits = self._logits(batch, [len(t) - 1 for t in new])  # [B, V] at each row's last token
             toks, q = draw(logits, params, generator)
             if step == 0 and self.tree_width > 1:
                 siblings = self._siblings(logits, q, [r.row for r in live], params, generator)
@@ -142,26 +138,13 @@ class DraftModelDrafter:
         probs = q if q is not None else torch.softmax(logits.float(), dim=-1)  # greedy: the drafter's own softmax
         return (probs.amax(dim=-1) >= self.p_min).tolist()
 
-    def _logits(self, batch, last: list[int], extra: list[int] | None = None) -> torch.Tensor:
+    def _logits(self, batch, last: list[int]) -> torch.Tensor:
         """[B, V] at position last[b] of each row b, over the verifier's vocabulary."""
         at = "all" if max(last) == 0 else torch.tensor(last, device=self.model.device)[:, None]  # [B, 1]
         if self.head is None:
             return fit_vocab(self.model(batch, self.cache, logits_at=at).logits[:, 0], self.vocab_size)
         hidden = self.model(batch, self.cache, logits_at=None).hidden  # [B, T, H]
-        return self.head(hidden[torch.arange(len(last)), last], extra)
-
-    def _context_ids(self, live: list[DraftRequest]) -> list[int] | None:
-        """Sorted ids outside the reduced head's kept set that occur in the live rows'
-        tokens (scanned incrementally), which its head then scores too; None without one."""
-        if not self.context:
-            return None
-        union: set[int] = set()
-        for r in live:
-            ids, scanned = self.outside.get(r.row, (set(), 0))
-            ids |= {t for t in r.tokens[scanned:] if t not in self.head.kept and 0 <= t < self.head.full_size}
-            self.outside[r.row] = (ids, len(r.tokens))
-            union |= ids
-        return sorted(union)
+        return self.head(hidden[torch.arange(len(last)), last])
 
     def _siblings(self, logits, q, rows, params: SamplingParams, generator):
         """Extra first-position candidates. Greedy: the next-best distinct tokens (a
@@ -220,8 +203,7 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
         p_min = float(spec.options.get("draft_p_min", 0.0))
         if not 0.0 <= p_min < 1.0:
             raise ConfigError(f"draft_p_min must be in [0, 1), got {p_min}")
-        context = bool(spec.options.get("draft_vocab_context", True))
-        return DraftModelDrafter(draft.model, spec.tree_width, vocab, reduced_head(spec, draft, vocab), p_min, context)
+        return DraftModelDrafter(draft.model, spec.tree_width, vocab, reduced_head(spec, draft, vocab), p_min)
     if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
             "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "

@@ -9,8 +9,8 @@ most-frequent first, so the first N ids are a frequency ranking the tokenizer al
 every id past the base vocabulary (special tokens: <|im_end|>, <|endoftext|>...) is kept too,
 because a chat turn must be able to end in a draft.
 
-A draft model also scores its rows' context ids outside that set (`context` below: the
-prompt's and the output's tokens so far, gathered from the full head as float rows): names,
+A drafter also scores its rows' context ids outside that set (ContextHead below: the
+prompt's and the output's tokens so far, through float rows of the full head): names,
 numbers and rare words are copied from the prompt far more often than chance. Qwen2.5-Coder-1.5B's
 greedy answers to 2 prompts of each Spec-Bench subtask and HumanEval: the first 32,768 ids cover
 92.9% of their tokens, with the prompt's ids 96.7% (summarization 89.6% -> 99.5%); the first
@@ -80,13 +80,76 @@ class ReducedHead(nn.Module):
         return full
 
 
-def reduced_head(spec, llm, vocab: int) -> ReducedHead | None:
+class ContextIds:
+    """Per cache row, the ids of its tokens (prompt and output so far) outside a ReducedHead's
+    kept set, scanned incrementally as the row grows."""
+
+    def __init__(self, head: ReducedHead):
+        self.head = head
+        self.rows: dict[int, tuple[set[int], int]] = {}  # row -> (ids outside, tokens scanned)
+
+    def update(self, requests) -> list[int]:
+        """Sorted union over these DraftRequests' rows (their tokens read up to now)."""
+        union: set[int] = set()
+        for r in requests:
+            ids, scanned = self.rows.get(r.row, (set(), 0))
+            ids |= {t for t in r.tokens[scanned:] if t not in self.head.kept and 0 <= t < self.head.full_size}
+            self.rows[r.row] = (ids, len(r.tokens))
+            union |= ids
+        return sorted(union)
+
+    def forget(self, row: int) -> None:
+        self.rows.pop(row, None)
+
+
+class ContextHead:
+    """A ReducedHead that also scores the context ids of the rows being drafted for: a drafter
+    calls `for_rows(requests)` once per step, then uses it as hidden -> logits as before."""
+
+    def __init__(self, head: ReducedHead):
+        self.head, self.context, self.extra = head, ContextIds(head), []
+
+    def for_rows(self, requests) -> None:
+        self.extra = self.context.update(requests)
+
+    def forget(self, row: int) -> None:
+        self.context.forget(row)
+
+    def reset(self) -> None:
+        self.context.rows.clear()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden, self.extra)
+
+
+def reduced_head(spec, llm, vocab: int):
     """The draft_vocab option (spec.options["draft_vocab"] = N): a ReducedHead over `llm`'s LM
-    head rows for ids 0 .. N-1 + its special ids, `vocab` wide; None when the option is unset."""
+    head rows for ids 0 .. N-1 + its special ids, `vocab` wide, wrapped in a ContextHead unless
+    options["draft_vocab_context"] is False; None when the option is unset."""
     keep = spec.options.get("draft_vocab")
     if not keep:
         return None
-    return ReducedHead(llm.model.lm_head, llm_kept_ids(llm, int(keep), vocab), vocab, llm.dtype)
+    head = ReducedHead(llm.model.lm_head, llm_kept_ids(llm, int(keep), vocab), vocab, llm.dtype)
+    return ContextHead(head) if spec.options.get("draft_vocab_context", True) else head
+
+
+# A drafter's hooks for whatever scores its guesses (no-ops unless it is a ContextHead):
+def for_rows(logits, requests) -> None:
+    """Each step, before scoring: the rows being drafted for."""
+    if isinstance(logits, ContextHead):
+        logits.for_rows(requests)
+
+
+def forget_row(logits, row: int) -> None:
+    """A row taken by a new sequence (the server's continuous batching)."""
+    if isinstance(logits, ContextHead):
+        logits.forget(row)
+
+
+def reset_rows(logits) -> None:
+    """A new generate call (every row new)."""
+    if isinstance(logits, ContextHead):
+        logits.reset()
 
 
 def llm_kept_ids(llm, keep: int, vocab: int | None = None) -> torch.Tensor:
@@ -101,7 +164,8 @@ def llm_kept_ids(llm, keep: int, vocab: int | None = None) -> torch.Tensor:
 def head_logits(spec, verifier):
     """What a head drafter (Medusa, EAGLE, block) scores its guesses with: the verifier's own
     LM head (`hidden_to_logits`), or its reduced_head under draft_vocab (by default the
-    vocabulary the head was trained over, `forerun train --vocab N`). hidden [..., H] -> logits [..., V]."""
+    vocabulary the head was trained over, `forerun train --vocab N`; plus the rows' context
+    ids, see ContextHead). hidden [..., H] -> logits [..., V]."""
     if "draft_vocab" not in spec.options and isinstance(spec.draft_model, (str, Path)):
         from forerun.heads.checkpoint import read_card
 

@@ -19,6 +19,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters import eagle_tree
 from forerun.drafters.base import Draft, DraftRequest, HiddenRows, register
+from forerun.drafters.draft_vocab import for_rows, forget_row, reset_rows
 from forerun.drafters.features import FeatureStore
 from forerun.drafters.tree_select import TreeOptions
 from forerun.kv_cache import KVCache, chain_batch
@@ -43,9 +44,11 @@ class EagleDrafter:
         # drafting writes past the committed pairs: a chain k slots, a tree up to beam per depth (+ padding)
         self.cache = self.head.new_cache(num_rows, capacity + self.tree.beam * (self.max_depth + 1))
         self.synced = {}
+        reset_rows(self.logits)
 
     def release(self, row: int) -> None:
         self.features.forget(row)
+        forget_row(self.logits, row)
         self.synced.pop(row, None)
 
     def observe_hidden(self, rows: list[HiddenRows]) -> None:
@@ -61,6 +64,7 @@ class EagleDrafter:
         live = [r for r in requests if r.k > 0 and len(r.tokens) > 1 and self.features.covers(r.row, len(r.tokens) - 1)]
         if not live:
             return [Draft([]) for _ in requests]
+        for_rows(self.logits, live)  # a reduced head (draft_vocab) then also scores their context ids
         guess = self._catch_up(live)  # [B, H] f^_{N-1} per live row
         if self.tree.is_tree:
             made = eagle_tree.grow(self, live, guess, [min(r.k, self.max_depth) for r in live])

@@ -18,6 +18,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest, HiddenRows, register
+from forerun.drafters.draft_vocab import for_rows, forget_row, reset_rows
 from forerun.drafters.features import FeatureStore
 from forerun.drafters.tree_select import TreeOptions, best_first_tree
 from forerun.kv_cache import KVCache
@@ -38,9 +39,11 @@ class MedusaDrafter:
 
     def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
         self.features = FeatureStore(num_rows, capacity)
+        reset_rows(self.logits)
 
     def release(self, row: int) -> None:
         self.features.forget(row)
+        forget_row(self.logits, row)
 
     def observe_hidden(self, rows: list[HiddenRows]) -> None:
         self.features.write(rows)
@@ -50,6 +53,7 @@ class MedusaDrafter:
         live = [r for r in requests if r.k > 0 and len(r.tokens) > 1 and self.features.covers(r.row, len(r.tokens) - 1)]
         if not live:
             return [Draft([]) for _ in requests]
+        for_rows(self.logits, live)  # a reduced head (draft_vocab) then also scores their context ids
         logits = self.block_logits(live)  # [B, K, V]
         make = self._tree if self.tree.is_tree else self._chain
         drafts = dict(zip((r.row for r in live), make(logits, [min(r.k, self.num_heads) for r in live], params, generator)))
