@@ -257,6 +257,18 @@ def test_jsonl_rows_and_package_sources(tmp_path):
     assert files and all(p.suffix in data.TEXT_SUFFIXES for p in files)
 
 
+def test_a_large_jsonl_file_is_read_and_a_large_source_file_is_not(tmp_path):
+    """The size cap keeps data tables out of package sources; a distilled JSONL past it (2 MB
+    after ~1,100 SmolLM2 answers) was once skipped whole, silently."""
+    row = '{"text": "' + "x" * 999 + '"}\n'
+    big = tmp_path / "answers.jsonl"
+    big.write_text(row * (data.MAX_FILE_BYTES // len(row) + 10))
+    assert len(data.read_texts(big)) == data.MAX_FILE_BYTES // len(row) + 10
+    table = tmp_path / "table.py"
+    table.write_text("x = 1\n" * (data.MAX_FILE_BYTES // 6 + 10))
+    assert data.read_texts(table) == []
+
+
 def test_cli_flags_make_the_config(tmp_path):
     args = build_parser().parse_args(["train", "--method", "eagle", "--out", str(tmp_path), "--data", "pkg:tqdm",
                                       "--data", "notes.txt", "--steps", "7", "--lr", "0.001", "--max-minutes", "2"])

@@ -22,7 +22,7 @@ from forerun.errors import ConfigError
 
 TEXT_SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt"}
 JSONL_FIELDS = ("text", "content", "prompt", "completion", "response")
-MAX_FILE_BYTES = 1_000_000  # larger files are mostly data tables, not text
+MAX_FILE_BYTES = 1_000_000  # larger source / doc files are mostly data tables, not text (JSONL: any size)
 
 
 def source_files(spec: str) -> list[Path]:
@@ -58,8 +58,9 @@ def check_allowed(path: Path) -> None:
 
 
 def read_texts(path: Path) -> list[str]:
-    """A file's texts: one per JSONL row (its first text field, or its `turns`), else the file."""
-    if path.stat().st_size > MAX_FILE_BYTES:
+    """A file's texts: one per JSONL row (its first text field, or its `turns`), else the file
+    (none for a source or doc file over MAX_FILE_BYTES; a JSONL file is data, read whatever its size)."""
+    if path.suffix != ".jsonl" and path.stat().st_size > MAX_FILE_BYTES:
         return []
     raw = path.read_text(encoding="utf-8", errors="ignore")
     if path.suffix != ".jsonl":
