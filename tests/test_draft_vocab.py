@@ -84,3 +84,16 @@ def test_context_ids_are_drafted():
 def test_draft_vocab_context_must_be_a_bool():
     with pytest.raises(ConfigError, match="draft_vocab_context"):
         SpeculativeConfig("draft_model", 4, options={"draft_vocab": 8, "draft_vocab_context": "yes"})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
+def test_float_rows_read_the_rows_of_every_head_kind(dtype):
+    """float_rows gathers rows without unpacking the whole head (the float32 kernel's packed
+    layout, int8 rows, int4 groups): the same values as the head's full weight."""
+    from forerun.drafters.draft_vocab import float_rows
+
+    llm = LLM(tiny_model(seed=0, vocab_size=64), dtype=dtype)
+    head = llm.model.lm_head
+    ids = torch.tensor([0, 5, 17, 40, 63])
+    full = head.weight_int8.float() * head.weight_scale[:, None] if hasattr(head, "weight_int8") else head.weight
+    assert torch.equal(float_rows(head, ids), full[ids])
