@@ -70,10 +70,9 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int6
         acc[b][t] = _mm512_setzero_si512();
         if constexpr (SPLIT) acc2[b][t] = _mm512_setzero_si512();
       }
-    // blocks are contiguous: past a block's end this reads the next one's
-      for (int b = 0; b < CB; ++b)
-        for (int i = 0; i < VECS; ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + ((g + PREFETCH_GROUPS) * VECS + i) * 64), _MM_HINT_T1);
+    for (int b = 0; b < CB; ++b)  // blocks are contiguous: past a block's end this reads the next one's
+      for (int i = 0; i < VECS; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + ((g + PREFETCH_GROUPS) * VECS + i) * 64), _MM_HINT_T1);
     for (int i = 0; i < VECS; ++i) {
       __m512i lo[CB], hi[CB];
       for (int b = 0; b < CB; ++b) {
