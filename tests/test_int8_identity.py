@@ -193,24 +193,47 @@ def test_the_model_gives_the_same_bits_with_and_without_the_fused_layer(verifier
     rope_write_attend give exactly the logits of the op-by-op path."""
     import copy
 
-    import torch
-
-    from forerun.kv_cache import chain_batch
-
     fused = verifier.model
     assert fused.model.layers[0].self_attn.fused_layer is not None
     plain = copy.deepcopy(fused)
     for layer in plain.model.layers:
         layer.self_attn.fused_layer = None
+    _assert_same_chain_logits(fused, plain)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_layer_in_one_call_gives_the_op_by_op_bits(dtype):
+    """decoder_layer_rows (layer_rows.cpp) runs a whole int8 / int4 layer from C++: the same
+    logits as the layer's Python ops, and it is the path these forwards actually take."""
+    import copy
+
+    fused = LLM(tiny_model(seed=5, dtype=dtype, hidden_size=64, intermediate_size=128), dtype=dtype).model
+    calls = []
+    for layer in fused.model.layers:
+        assert layer.fused_block is not None
+        layer.fused_block = lambda *a, f=layer.fused_block: calls.append(1) or f(*a)
+    plain = copy.deepcopy(fused)
+    for layer in plain.model.layers:
+        layer.fused_block = None
+    _assert_same_chain_logits(fused, plain)
+    assert len(calls) == 4 * len(fused.model.layers)  # every forward: the prompts and the three steps
+
+
+def _assert_same_chain_logits(a, b):
+    """Prompts, then chain steps of 1, 5 and 2 tokens over two ragged rows: equal logits."""
+    import torch
+
+    from forerun.kv_cache import chain_batch
+
     prompts, steps = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], [[5], [3, 5, 8, 9, 7], [1, 2]]
     with torch.inference_mode():
-        caches = [m.new_cache(2, 32) for m in (fused, plain)]
-        outs = [m(chain_batch(prompts, [0, 0], [0, 1], m.device), c).logits for m, c in zip((fused, plain), caches)]
+        caches = [m.new_cache(2, 32) for m in (a, b)]
+        outs = [m(chain_batch(prompts, [0, 0], [0, 1], m.device), c).logits for m, c in zip((a, b), caches)]
         assert torch.equal(*outs)
         starts = [len(p) for p in prompts]
         for new in steps:
             batch = [new, new[:1]]  # ragged: the second row gets one token
-            outs = [m(chain_batch(batch, starts, [0, 1], m.device), c).logits for m, c in zip((fused, plain), caches)]
+            outs = [m(chain_batch(batch, starts, [0, 1], m.device), c).logits for m, c in zip((a, b), caches)]
             assert torch.equal(*outs)
             starts = [s + len(t) for s, t in zip(starts, batch)]
 

@@ -247,6 +247,7 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                         torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero,
                         int64_t M);  // int4_rows.cpp
+void bind_layer_rows(pybind11::module& m);  // layer_rows.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
@@ -257,4 +258,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits");
   m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
+  bind_layer_rows(m);
 }

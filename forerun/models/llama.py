@@ -155,10 +155,27 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused_block = None  # the whole layer in one compiled call (layer_rows.cpp), set by use_int8_kernels
 
     def forward(self, x, cos, sin, batch, cache, bias):
+        if self.fused_block is not None:
+            linears = self._kernel_linears(x, batch, cache)
+            if linears is not None:  # the same ops from C++: the same bits, without a dozen Python calls
+                a = self.self_attn
+                return self.fused_block(x, *linears, cos, sin, cache.k[a.layer], cache.v[a.layer], batch.row_index,
+                                        batch.slots, a.nh, a.nkv, a.hd**-0.5)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _kernel_linears(self, x, batch, cache):
+        """The four linears' bound kernels where this forward is one the fused attention takes
+        and each linear would run its few-token kernel (fewer than WIDE_ROWS tokens), else None."""
+        a, m = self.self_attn, self.mlp
+        if a.fused_layer is None or x.shape[0] * x.shape[1] >= WIDE_ROWS or not a._fusable(x, batch, cache):
+            return None
+        linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        bound = tuple(getattr(q, "kernel_linear", None) for q in linears)
+        return None if None in bound else bound
 
 
 class Backbone(nn.Module):
@@ -209,6 +226,9 @@ class LlamaForCausalLM(DecoderBase):
                 absorb = getattr(linear, "absorb_norm", None)  # Int8Linear, Int4Linear
                 if absorb is not None and absorb(getattr(layer, norm_name)):
                     setattr(layer, norm_name, nn.Identity())
+            # both norms inside their linears: the layer can run as one call
+            folded = all(isinstance(n, nn.Identity) for n in (layer.input_layernorm, layer.post_attention_layernorm))
+            layer.fused_block = getattr(kernel, "decoder_layer_rows", None) if folded else None
         self.use_chain_attention_kernel(kernel)
 
     def use_chain_attention_kernel(self, kernel) -> None:

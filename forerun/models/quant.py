@@ -70,7 +70,7 @@ class Int8Linear(nn.Module):
 
     def __getstate__(self):  # deepcopy / pickle: drop the opaque kernel handles...
         state = dict(self.__dict__)
-        state.update(_kernel=None, _rows=None, _packed=None, _wide=None, _rows_args=None, weight_packed=None)
+        state.update(_kernel=None, _rows=None, _packed=None, _wide=None, _rows_args=None, kernel_linear=None, weight_packed=None)
         return state
 
     def __setstate__(self, state):  # ...and rebuild them from the int8 weights
@@ -81,12 +81,14 @@ class Int8Linear(nn.Module):
         """The kernel's arguments as a plain tuple: nn.Module attribute lookups cost ~1 us each,
         and the hot path makes one call. (int8 is a CPU-only path: these tensors never move.)"""
         if self._rows is None:
-            self._rows_args = None
+            self._rows_args = self.kernel_linear = None
             return
         empty = self.weight_scale[:0]
         bias = self.bias.data if self.bias is not None else empty
         norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
         self._rows_args = (self.weight_packed, self.weight_scale, self.weight_colsum, bias, norm_w, eps, *activation_qparams())
+        # the same call, bound in C++: what a whole-layer kernel call takes (layer_rows.cpp)
+        self.kernel_linear = self._kernel.KernelLinear(False, *self._rows_args, self.out_features)
 
     def absorb_norm(self, norm: nn.Module) -> bool:
         """Compute linear(norm(x)) from here on, the norm inside the few-token kernel (its

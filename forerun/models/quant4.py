@@ -94,6 +94,7 @@ class Int4Linear(nn.Module):
         if kernel is None:
             raise RuntimeError("int4 needs forerun's compiled kernel, which could not be built here "
                                "(see the warning above); use int8 or float32")
+        self._kernel = kernel
         self._rows = kernel.int4_rows
         self._packed = pack_int4(self.weight_u4, self.weight_d, self.weight_m)
         self._set_args()
@@ -104,9 +105,10 @@ class Int4Linear(nn.Module):
         norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
         scale, zero = activation_qparams()
         self._args = (*self._packed, bias, norm_w, eps, scale, zero, self.out_features)
+        self.kernel_linear = self._kernel.KernelLinear(True, *self._args)  # the same call, bound in C++ (layer_rows.cpp)
 
     def __getstate__(self):  # deepcopy / pickle: drop the kernel handle and packing...
-        return {**self.__dict__, "_rows": None, "_packed": None, "_args": None}
+        return {**self.__dict__, "_kernel": None, "_rows": None, "_packed": None, "_args": None, "kernel_linear": None}
 
     def __setstate__(self, state):  # ...and rebuild them from the 4-bit weights
         super().__setstate__(state)

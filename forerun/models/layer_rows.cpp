@@ -1,0 +1,49 @@
+// A whole decoder layer of the int8 / int4 models for a chain of a few tokens, in one call.
+//
+// Decoding a small model spends a fifth of each forward between its kernels: a dozen
+// Python-level calls per layer (module dispatch, chunk, silu, mul, two residual adds), each
+// a few microseconds, 24-28 times a forward. This runs the same ops from C++:
+//   h = x + o(rope_write_attend(qkv(x)));   out = h + down(silu(gate) * up), gate_up(h) = [gate | up]
+// with the RMSNorms already folded into the qkv and gate_up kernels (absorb_norm). Every op is
+// the one the Python layer calls (the same kernels, at::add / at::silu / at::mul on the same
+// views), so the bits are the op-by-op path's: tests/test_int8_identity.py checks it.
+#include <torch/extension.h>
+
+torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
+                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero);
+torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
+                        torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero, int64_t M);
+torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                                torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale);
+
+// One Int8Linear / Int4Linear's kernel and its arguments, bound once (quant.py, quant4.py).
+// int8: a = w_scale, b = colsum; int4: a = d, b = m (their kernels' argument order).
+struct KernelLinear {
+  bool int4;
+  torch::Tensor w, a, b, bias, norm_w;
+  double eps, x_scale;
+  int64_t x_zero, M;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return int4 ? int4_rows(x, w, a, b, bias, norm_w, eps, x_scale, x_zero, M)
+                : int8_rows(x, w, a, b, bias, norm_w, eps, x_scale, x_zero);
+  }
+};
+
+// x [B, T, C] float32 -> [B, T, C]; the attention arguments as rope_write_attend takes them.
+torch::Tensor decoder_layer_rows(torch::Tensor x, const KernelLinear& qkv, const KernelLinear& o,
+                                 const KernelLinear& gate_up, const KernelLinear& down, torch::Tensor cos,
+                                 torch::Tensor sin, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
+                                 torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale) {
+  const auto h = x + o(rope_write_attend(qkv(x), cos, sin, k, v, rows, slots, heads, kv_heads, scale));
+  const auto gu = gate_up(h).chunk(2, -1);
+  return h + down(at::silu(gu[0]) * gu[1]);
+}
+
+void bind_layer_rows(pybind11::module& m) {
+  pybind11::class_<KernelLinear>(m, "KernelLinear")
+      .def(pybind11::init<bool, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double,
+                          double, int64_t, int64_t>())
+      .def("__call__", &KernelLinear::operator());
+  m.def("decoder_layer_rows", &decoder_layer_rows, "a chain's int8 / int4 decoder layer in one call (the same bits)");
+}
