@@ -1,0 +1,33 @@
+"""Loading a safetensors folder: the model's tensors are its own memory, not views of the file."""
+import dataclasses
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from forerun.models.loader import load_model
+from tests.tiny import tiny_model
+
+
+def _mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_loaded_weights_do_not_stay_mapped_from_the_file(tmp_path):
+    """safetensors maps the file; a tensor kept as it is (an embedding table, a float32
+    weight) would be page cache the kernel may evict while it sits cold, and a later lookup
+    would read the disk. Every tensor must be a copy, and the mapping gone once loaded."""
+    from safetensors.torch import save_file
+
+    source = tiny_model(seed=0, dtype="float32")
+    cfg = {k: v for k, v in dataclasses.asdict(source.config).items() if isinstance(v, (int, float, str, bool))}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    weights = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "inv_freq"}, str(weights))
+    model = load_model(tmp_path, "float32")
+    gc.collect()
+    assert not _mapped(weights)
+    assert torch.equal(model.model.embed_tokens.weight, source.model.embed_tokens.weight)
