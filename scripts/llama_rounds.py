@@ -1,0 +1,85 @@
+"""forerun's speculative decoding against llama.cpp's plain decoding, interleaved round by round.
+
+    PYTHONPATH=. python scripts/llama_rounds.py --llama-cpp-dir <llama.cpp build/bin> \
+        --gguf ~/.cache/forerun/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --rounds 5
+
+`forerun bench --vs llama.cpp` runs one engine after the other; on a machine whose memory speed
+drifts within minutes that ratio moves by 20%. Here every round runs `llama-bench -p 0 -n N -t T`
+once and then each forerun configuration on the same prompts (greedy, decode-only tok/s), and the
+ratio is taken within a round. Configurations: `--config DTYPE:K` (the verifier's dtype and k), the
+drafter given by --draft-model / --draft-dtype / --draft-vocab.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from forerun import LLM, SamplingParams  # noqa: E402
+from forerun.config import SpeculativeConfig  # noqa: E402
+from forerun.metrics import merge  # noqa: E402
+from forerun.prompts import load_prompts  # noqa: E402
+
+
+def llama_bench(bin_dir: Path, gguf: str, tokens: int, threads: int) -> float:
+    """llama.cpp's plain decode rate (tok/s) for `tokens` new tokens, one repetition."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench failed: {done.stderr.strip()[-400:]}")
+    return json.loads(done.stdout)[0]["avg_ts"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp-dir", required=True, type=Path, help="folder with llama-bench")
+    ap.add_argument("--gguf", required=True, help="the verifier's GGUF, as llama.cpp reads it")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--draft-dtype", default="int4")
+    ap.add_argument("--draft-vocab", type=int, default=32768)
+    ap.add_argument("--config", action="append", default=None, help="DTYPE:K, repeatable (default int8:6 and int4:5)")
+    ap.add_argument("--prompts", default="humaneval")
+    ap.add_argument("--limit", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = {}
+    for item in args.config or ["int8:6", "int4:5"]:
+        dtype, k = item.split(":")
+        llm = LLM(model=args.model, dtype=dtype, progress=False)
+        spec = SpeculativeConfig(method="draft_model", draft_model=args.draft_model, draft_dtype=args.draft_dtype,
+                                 num_speculative_tokens=int(k), options={"draft_vocab": args.draft_vocab})
+        configs[f"forerun {dtype} verifier, draft_model k={k}"] = (llm, spec)
+    prompts = load_prompts(args.prompts, limit=args.limit)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    for llm, spec in configs.values():  # warm-up: kernels, caches, the drafter's first load
+        llm.generate([prompts[0].text], SamplingParams(temperature=0.0, max_tokens=16), speculative=spec)
+    rates: dict[str, list[float]] = {"llama.cpp plain": []}
+    for r in range(args.rounds):
+        rates["llama.cpp plain"].append(llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads))
+        for name, (llm, spec) in configs.items():
+            texts = [llm.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else p.text for p in prompts]
+            outs = [llm.generate([t], params, speculative=spec)[0] for t in texts]
+            rates.setdefault(name, []).append(merge([o.stats for o in outs]).decode_tokens_per_s)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
+    base = rates["llama.cpp plain"]
+    for name, v in rates.items():
+        ratios = sorted(a / b for a, b in zip(v, base))
+        print(f"{name}: decode tok/s {' '.join(f'{x:.1f}' for x in v)}; over llama.cpp within each round: "
+              f"{' '.join(f'{a / b:.2f}' for a, b in zip(v, base))} (median {ratios[len(ratios) // 2]:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
