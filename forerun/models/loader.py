@@ -78,11 +78,7 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     state = {}
     for name in files:
         try:
-            # Copies, not views of the file: safetensors maps the file, and tensors kept as they
-            # are (the embedding table, norms, every float32 weight) would stay page cache, which
-            # the kernel reclaims when they sit cold. Then a lookup of rarely used embedding rows
-            # reads the disk: prompts here stalled 0.8-6.5 s on a 120-token lookup.
-            state.update({k: v.clone() for k, v in load_file(str(folder / name)).items()})
+            state.update(load_file(str(folder / name)))  # views of the mapped file (see load_model)
         except Exception as e:
             raise ModelLoadError(f"corrupt or unreadable weights file {folder / name}: {e}") from None
     return state
@@ -98,7 +94,12 @@ def load_model(folder: Path, dtype: str = "float32", device: str | torch.device 
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     target = TORCH_DTYPES.get(dtype, torch.float32)
-    state = {k: v.to(target) for k, v in state.items()}
+    # Copies, not views of the file: safetensors maps the file, and tensors kept as they are
+    # (the embedding table, norms, every float32 weight) would stay page cache, which the kernel
+    # reclaims when they sit cold. Then a lookup of rarely used embedding rows reads the disk:
+    # prompts here stalled 0.8-6.5 s on a 120-token lookup. The dtype conversion makes that copy
+    # (one copy per tensor, where the dtype changes too).
+    state = {k: v.to(target, copy=True) for k, v in state.items()}
     try:
         if isinstance(model, LlamaForCausalLM):
             state = fuse_hf_state_dict(state)
