@@ -62,22 +62,23 @@ def main() -> int:
                                  num_speculative_tokens=int(k), options={"draft_vocab": args.draft_vocab})
         configs[f"forerun {dtype} verifier, draft_model k={k}"] = (llm, spec)
     prompts = load_prompts(args.prompts, limit=args.limit)
+    texts = [next(iter(configs.values()))[0].apply_chat_template([{"role": "user", "content": p.text}])
+             if p.chat else p.text for p in prompts]  # one tokenizer: the configurations share the model
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     for llm, spec in configs.values():  # warm-up: kernels, caches, the drafter's first load
-        llm.generate([prompts[0].text], SamplingParams(temperature=0.0, max_tokens=16), speculative=spec)
+        llm.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=16), speculative=spec)
     rates: dict[str, list[float]] = {"llama.cpp plain": []}
     for r in range(args.rounds):
         rates["llama.cpp plain"].append(llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads))
         for name, (llm, spec) in configs.items():
-            texts = [llm.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else p.text for p in prompts]
             outs = [llm.generate([t], params, speculative=spec)[0] for t in texts]
             rates.setdefault(name, []).append(merge([o.stats for o in outs]).decode_tokens_per_s)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
     base = rates["llama.cpp plain"]
     for name, v in rates.items():
-        ratios = sorted(a / b for a, b in zip(v, base))
+        ratios = [a / b for a, b in zip(v, base)]
         print(f"{name}: decode tok/s {' '.join(f'{x:.1f}' for x in v)}; over llama.cpp within each round: "
-              f"{' '.join(f'{a / b:.2f}' for a, b in zip(v, base))} (median {ratios[len(ratios) // 2]:.2f}x)")
+              f"{' '.join(f'{x:.2f}' for x in ratios)} (median {sorted(ratios)[len(ratios) // 2]:.2f}x)")
     return 0
 
 
