@@ -58,6 +58,9 @@ def _common(p: argparse.ArgumentParser):
                    help="draft_model: candidates at the first position (a tree); medusa / eagle / dflash: top candidates per node (a tree of 16 nodes)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
                    help="draft_model / quantized: stop a draft where the drafter's top token probability falls below this (0 = never)")
+    p.add_argument("--draft-lookup", type=int, default=0, metavar="N",
+                   help="draft_model: the first drafter forward also checks prompt lookup's guess (after the last N.."
+                        "--ngram-max tokens seen before): one forward drafts every guessed token the drafter agrees with (0 = off)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
     p.add_argument("--quant-bits", type=int, default=8, choices=[8, 4], help="quantized: the self-draft's weight bits (int8 or int4)")
@@ -196,6 +199,7 @@ def _configs(args):
                     if args.acceptance != "exact" else {}),
                  **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
                  **({"draft_p_min": args.draft_p_min} if args.draft_p_min else {}),
+                 **({"draft_lookup": args.draft_lookup} if args.draft_lookup else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
     )
     return params, spec

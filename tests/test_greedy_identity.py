@@ -112,3 +112,36 @@ def test_max_tokens_and_eos_are_exact(verifier, plain):
         verifier.model.config.eos_token_id.remove(eos)
     first = plain[0].index(eos)
     assert out.token_ids == plain[0][: first + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("n_min", [1, 2])
+def test_lookup_guesses_save_draft_forwards_and_keep_the_output(verifier, plain, n_min):
+    """draft_lookup: the first forward also feeds prompt lookup's guess; where the drafter's own
+    tokens agree with it, one forward drafts several tokens. The drafts, and so the output and
+    the acceptance, are the drafter's as without it; only the forwards are fewer."""
+    counts = {}
+    for lookup in (0, n_min):
+        draft = LLM(tiny_model(seed=0))  # the verifier's weights: its greedy answers repeat themselves
+        forwards = []
+        forward = draft.model.forward
+
+        def counted(batch, *a, _forward=forward, _log=forwards, **kw):
+            _log.append(batch.tokens.shape[1])
+            return _forward(batch, *a, **kw)
+
+        draft.model.forward = counted
+        spec = SpeculativeConfig("draft_model", 4, draft_model=draft, options={"draft_lookup": lookup} if lookup else {})
+        outs = [verifier.generate([p], GREEDY, speculative=spec)[0] for p in PROMPTS]  # (a batch's forwards: its longest row's)
+        assert [o.token_ids for o in outs] == plain
+        st = merge([o.stats for o in outs])
+        counts[lookup] = (len(forwards), st.drafted, st.accepted)
+    (off, drafted, accepted), (on, drafted_on, accepted_on) = counts[0], counts[n_min]
+    assert (drafted_on, accepted_on) == (drafted, accepted)
+    assert on < off
+
+
+def test_lookup_option_is_checked(verifier):
+    draft = LLM(tiny_model(seed=3))
+    with pytest.raises(Exception, match="draft_lookup"):
+        verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("draft_model", 3, draft_model=draft,
+                                                                         options={"draft_lookup": 9}))

@@ -67,6 +67,17 @@ def test_draft_model_sampling_is_exact_with_p_min(verifier, reference):
     assert chi2_pvalue(samples, reference) > ALPHA
 
 
+def test_draft_model_sampling_is_exact_with_lookup_guesses(verifier, reference):
+    """draft_lookup: a token drawn at a guessed position goes with the q it was drawn from (the
+    drafter's, given the guess before it); pairing it with the first position's q instead fails here."""
+    draft = LLM(tiny_model(seed=8, vocab_size=8, logit_scale=1.0))  # one that often draws the guess (seed 7 never)
+    spec = SpeculativeConfig("draft_model", 3, draft_model=draft, options={"draft_lookup": 1})
+    samples, st = _samples(verifier, spec, seed=41)
+    drafter = verifier._drafter(spec)
+    assert st.accepted > 0 and st.rejections > 0 and drafter.guessed_tokens > 1000, (st, drafter.guessed_tokens)
+    assert chi2_pvalue(samples, reference) > ALPHA
+
+
 def test_draft_model_sampling_is_exact_with_top_k(verifier):
     params = SamplingParams(temperature=1.3, top_k=3, max_tokens=3, seed=5)
     reference = joint_distribution(verifier.model, PROMPT, params, n=3)

@@ -4,9 +4,17 @@ It keeps its own position-indexed KV cache, re-synced each step from the committ
 tokens: entries whose tokens were accepted stay, the rest are overwritten. The special
 case worth spelling out: when all k drafts are accepted, the last draft token was never
 fed to the drafter, so the next step's catch-up feeds two tokens (it and the bonus).
+
+Lookup (options["draft_lookup"] = n, off by default): the step's first forward also feeds
+what followed the last n..ngram_max tokens earlier in the context (prompt lookup's guess,
+up to k - 1 tokens). Each drafted token is still drawn from the drafter's own distribution;
+while it equals the guess, the logits at the guess's position are the next token's, so
+one forward drafts as many tokens as the drafter agrees with the guess, plus one. Code
+and summaries copy their context: there most steps need one or two drafter forwards, not k.
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -14,6 +22,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.drafters.draft_vocab import for_rows, forget_row, reduced_head, reset_rows
+from forerun.drafters.ngram import find_continuation
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
@@ -30,9 +39,11 @@ INLINE_FEED = 2
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None, p_min: float = 0.0):
+    def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None, p_min: float = 0.0,
+                 lookup: tuple[int, int] | None = None):
         self.model = model
         self.p_min = p_min  # stop a row's draft where the drafter's top probability falls below this (llama.cpp's p_min)
+        self.lookup = lookup  # (n_max, n_min): prompt-lookup guesses checked in the first forward; None: off
         self.vocab_size = vocab_size or model.config.vocab_size  # the verifier's logit width
         self.tree_width = tree_width  # >1: extra candidates for the first drafted position
         self.head = head  # draft_vocab: a ReducedHead (or ContextHead: + the rows' context ids); None: the model's own LM head
@@ -47,6 +58,7 @@ class DraftModelDrafter:
         self.catch_up_seconds = 0.0
         self.prompt_seconds = 0.0
         self.fed_tokens = 0  # tokens behind those two figures (their seconds per token: the cost of a feed)
+        self.guessed_tokens = 0  # lookup: tokens drafted at a guess's position (each one a drafter forward saved)
 
     def max_draft_nodes(self, k: int) -> int:
         return k + self.tree_width - 1
@@ -94,32 +106,45 @@ class DraftModelDrafter:
             l_starts, l_new = feed_all_but_last(self.model, self.cache, [live[i].row for i in long], [feeds[i] for i in long])
             for j, i in enumerate(long):
                 starts[i], new[i] = l_starts[j], l_new[j]
-            fed = sum(len(feeds[i][1]) for i in long)
+            total = sum(len(feeds[i][1]) for i in long)
             fresh = sum(len(feeds[i][1]) for i in long if live[i].row not in self.synced)  # new prompts
             skipped = sum(len(feeds[i][1]) - 2 for i in long if live[i].row in self.synced)  # a drafting step feeds 1-2 per row
             seconds = time.perf_counter() - t0
             self.fed_tokens += fresh + skipped
-            self.prompt_seconds += seconds * fresh / fed
-            self.catch_up_seconds += seconds * skipped / fed
-        for step in range(max((r.k for r in live), default=0)):
-            if not live:  # every row stopped early (p_min)
-                break
-            batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # 1 token per row (step 0: 1-2)
-            logits = self._logits(batch, [len(t) - 1 for t in new])  # [B, V] at each row's last token
+            self.prompt_seconds += seconds * fresh / total
+            self.catch_up_seconds += seconds * skipped / total
+        fed = [len(t) for t in new]  # committed tokens first; then the lookup's guesses (step 0 only)
+        new = [t + g for t, g in zip(new, self._guesses(live))]
+        step = 0
+        while live:
+            batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # step 0: 1-2 + guesses; then 1
+            at = [list(range(f - 1, len(t))) for f, t in zip(fed, new)]  # the last fed token's position, each guess's
+            logits = self._logits(batch, at)  # [N, V], N = positions over the rows, in order
             toks, q = draw(logits, params, generator)
+            first = torch.tensor([0, *itertools.accumulate(len(a) for a in at)][:-1])  # each row's first position
             if step == 0 and self.tree_width > 1:
-                siblings = self._siblings(logits, q, [r.row for r in live], params, generator)
-            sure = self._confident(logits, q, toks)  # [B] bools
+                siblings = self._siblings(logits[first], None if q is None else q[first], [r.row for r in live],
+                                          params, generator)
+            sure = self._confident(logits, q, toks)  # [N] bools
+            keep, took = [], []
             for i, r in enumerate(live):
-                if sure[i]:
-                    out[r.row][0].append(toks[i])
+                o, guess, drafted = int(first[i]), new[i][fed[i]:], out[r.row][0]
+                for j in range(len(at[i])):
+                    if not sure[o + j]:  # no token here, and no more for this row: all it drafted was fed
+                        fed_all.add(r.row)
+                        break
+                    drafted.append(toks[o + j])
+                    self.guessed_tokens += j > 0
                     if q is not None:
-                        out[r.row][1].append(q[i])
-                else:  # no token here, and no more for this row: all it drafted was fed
-                    fed_all.add(r.row)
-            keep = [i for i, r in enumerate(live) if r.k > step + 1 and sure[i]]
-            starts = [starts[i] + len(new[i]) for i in keep]
-            new, live = [[toks[i]] for i in keep], [live[i] for i in keep]
+                        out[r.row][1].append(q[o + j])
+                    if len(drafted) == r.k or j == len(guess) or toks[o + j] != guess[j]:
+                        if len(drafted) < r.k:  # the logits past a guess the draw left are not this draft's
+                            keep.append(i)
+                            took.append(j + 1)
+                        break
+            starts = [starts[i] + fed[i] + n - 1 for i, n in zip(keep, took)]  # the last drafted token goes there
+            new, live = [[out[live[i].row][0][-1]] for i in keep], [live[i] for i in keep]
+            fed, step = [1] * len(live), step + 1
         for r in requests:
             if r.k > 0:  # cache now covers r.tokens, then every drafted token but the last (all: p_min stops)
                 toks = out[r.row][0]
@@ -138,13 +163,29 @@ class DraftModelDrafter:
         probs = q if q is not None else torch.softmax(logits.float(), dim=-1)  # greedy: the drafter's own softmax
         return (probs.amax(dim=-1) >= self.p_min).tolist()
 
-    def _logits(self, batch, last: list[int]) -> torch.Tensor:
-        """[B, V] at position last[b] of each row b, over the verifier's vocabulary."""
-        at = "all" if max(last) == 0 else torch.tensor(last, device=self.model.device)[:, None]  # [B, 1]
+    def _guesses(self, live: list[DraftRequest]) -> list[list[int]]:
+        """Per row, up to k - 1 tokens prompt lookup expects after its tokens ([] when off)."""
+        if self.lookup is None:
+            return [[] for _ in live]
+        n_max, n_min = self.lookup
+        return [find_continuation(r.tokens, n_max, n_min, r.k - 1) for r in live]
+
+    def _logits(self, batch, at: list[list[int]]) -> torch.Tensor:
+        """[N, V]: the logits at positions at[b] of each row b (rows in order), over the
+        verifier's vocabulary."""
+        dev = self.model.device
+        rows = torch.tensor([b for b, a in enumerate(at) for _ in a], device=dev)  # [N]
+        cols = torch.tensor([p for a in at for p in a], device=dev)  # [N]
         if self.head is None:
-            return fit_vocab(self.model(batch, self.cache, logits_at=at).logits[:, 0], self.vocab_size)
+            if batch.tokens.shape[1] == 1:
+                return fit_vocab(self.model(batch, self.cache, logits_at="all").logits[:, 0], self.vocab_size)
+            width = max(len(a) for a in at)
+            idx = torch.tensor([a + a[-1:] * (width - len(a)) for a in at], device=dev)  # [B, P], ragged rows padded
+            logits = self.model(batch, self.cache, logits_at=idx).logits  # [B, P, V]
+            slot = torch.tensor([j for a in at for j in range(len(a))], device=dev)
+            return fit_vocab(logits[rows, slot], self.vocab_size)
         hidden = self.model(batch, self.cache, logits_at=None).hidden  # [B, T, H]
-        return self.head(hidden[torch.arange(len(last)), last])
+        return self.head(hidden[rows, cols])
 
     def _siblings(self, logits, q, rows, params: SamplingParams, generator):
         """Extra first-position candidates. Greedy: the next-best distinct tokens (a
@@ -203,7 +244,11 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
         p_min = float(spec.options.get("draft_p_min", 0.0))
         if not 0.0 <= p_min < 1.0:
             raise ConfigError(f"draft_p_min must be in [0, 1), got {p_min}")
-        return DraftModelDrafter(draft.model, spec.tree_width, vocab, reduced_head(spec, draft, vocab), p_min)
+        n = int(spec.options.get("draft_lookup", 0))
+        if n < 0 or n > spec.ngram_max:
+            raise ConfigError(f"draft_lookup must be in 0..ngram_max ({spec.ngram_max}), got {n}")
+        lookup = (spec.ngram_max, n) if n else None
+        return DraftModelDrafter(draft.model, spec.tree_width, vocab, reduced_head(spec, draft, vocab), p_min, lookup)
     if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
             "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "
