@@ -2,6 +2,7 @@
 import pytest
 
 from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.errors import ConfigError
 from forerun.llm import LLM
 from forerun.metrics import merge
 from tests.tiny import tiny_model, truncated_copy
@@ -142,6 +143,6 @@ def test_lookup_guesses_save_draft_forwards_and_keep_the_output(verifier, plain,
 
 def test_lookup_option_is_checked(verifier):
     draft = LLM(tiny_model(seed=3))
-    with pytest.raises(Exception, match="draft_lookup"):
+    with pytest.raises(ConfigError, match="draft_lookup"):
         verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("draft_model", 3, draft_model=draft,
                                                                          options={"draft_lookup": 9}))
