@@ -68,6 +68,24 @@ def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plai
         assert any(t >= 12 for t in drafted)  # context ids are drafted
 
 
+@pytest.mark.parametrize("head_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
+def test_a_quantized_reduced_head_stays_exact(verifier, plain, heads, method, head_dtype):
+    """draft_head_dtype: the reduced head that scores drafts runs at int8 / int4 under a float
+    verifier; drafts change at most, the output does not."""
+    spec = SpeculativeConfig(method, 3, draft_model=heads[method], options={"draft_vocab": 40, "draft_head_dtype": head_dtype})
+    head = verifier._drafter(spec).logits.head.head
+    assert type(head).__name__ == {"int8": "Int8Linear", "int4": "Int4Linear"}[head_dtype]
+    outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    assert merge([o.stats for o in outs]).accepted > 0
+
+
+def test_draft_head_dtype_is_checked():
+    with pytest.raises(ConfigError, match="draft_head_dtype"):
+        SpeculativeConfig("eagle", 3, options={"draft_vocab": 40, "draft_head_dtype": "int2"})
+
+
 @pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
 def test_adaptive_k_mixes_draft_lengths_and_skipped_rows(verifier, plain, heads, method):
     """k='auto' gives rows different k per step, 0 included: a row that skips drafting must
