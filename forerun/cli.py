@@ -54,9 +54,9 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft_model: score only the first N token ids (+ special tokens, + the ids of each row's prompt "
                         "and output so far) in the drafter's head; heads: the ids they were trained over by default")
-    p.add_argument("--draft-head-dtype", default=None, choices=["float32", "int8", "int4"],
-                   help="with --draft-vocab: the reduced draft head's precision (default: its model's). It scores drafts "
-                        "only: an int8 head under a float32 verifier is cheaper and leaves the output exact")
+    p.add_argument("--head-dtype", default=None, choices=["float32", "int8", "int4"],
+                   help="medusa / eagle / dflash: the head's layers and its reduced output head (--draft-vocab); draft_model: "
+                        "its reduced head (default: the verifier's / the draft model's dtype). Drafts only: the output stays exact")
     p.add_argument("--tree-width", type=int, default=1,
                    help="draft_model: candidates at the first position (a tree); medusa / eagle / dflash: top candidates per node (a tree of 16 nodes)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
@@ -203,7 +203,7 @@ def _configs(args):
                  **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
                  **({"draft_p_min": args.draft_p_min} if args.draft_p_min else {}),
                  **({"draft_lookup": args.draft_lookup} if args.draft_lookup else {}),
-                 **({"draft_head_dtype": args.draft_head_dtype} if args.draft_head_dtype else {}),
+                 **({"head_dtype": args.head_dtype} if args.head_dtype else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
     )
     return params, spec

@@ -104,9 +104,9 @@ class SpeculativeConfig:
         draft_vocab = self.options.get("draft_vocab")
         if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 2):
             raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores), got {draft_vocab!r}")
-        if self.options.get("draft_head_dtype") not in (None, "float32", "int8", "int4"):
-            raise ConfigError(f"options['draft_head_dtype'] must be float32, int8 or int4 (the reduced draft head's "
-                              f"precision), got {self.options['draft_head_dtype']!r}")
+        if self.options.get("head_dtype") not in (None, "float32", "int8", "int4"):
+            raise ConfigError(f"options['head_dtype'] must be float32, int8 or int4 (a head drafter's layers and a "
+                              f"reduced draft head), got {self.options['head_dtype']!r}")
         if not isinstance(self.options.get("draft_vocab_context", True), bool):
             raise ConfigError("options['draft_vocab_context'] must be true or false (score the context's ids too)")
         if self.acceptance not in ACCEPTANCE:

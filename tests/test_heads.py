@@ -71,9 +71,9 @@ def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plai
 @pytest.mark.parametrize("head_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])
 def test_a_quantized_reduced_head_stays_exact(verifier, plain, heads, method, head_dtype):
-    """draft_head_dtype: the reduced head that scores drafts runs at int8 / int4 under a float
-    verifier; drafts change at most, the output does not."""
-    spec = SpeculativeConfig(method, 3, draft_model=heads[method], options={"draft_vocab": 40, "draft_head_dtype": head_dtype})
+    """head_dtype: the reduced head that scores drafts runs at int8 / int4 under a float
+    verifier (as the head's layers do); drafts change at most, the output does not."""
+    spec = SpeculativeConfig(method, 3, draft_model=heads[method], options={"draft_vocab": 40, "head_dtype": head_dtype})
     head = verifier._drafter(spec).logits.head.head
     assert type(head).__name__ == {"int8": "Int8Linear", "int4": "Int4Linear"}[head_dtype]
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
@@ -81,9 +81,9 @@ def test_a_quantized_reduced_head_stays_exact(verifier, plain, heads, method, he
     assert merge([o.stats for o in outs]).accepted > 0
 
 
-def test_draft_head_dtype_is_checked():
-    with pytest.raises(ConfigError, match="draft_head_dtype"):
-        SpeculativeConfig("eagle", 3, options={"draft_vocab": 40, "draft_head_dtype": "int2"})
+def test_head_dtype_is_checked():
+    with pytest.raises(ConfigError, match="head_dtype"):
+        SpeculativeConfig("eagle", 3, options={"draft_vocab": 40, "head_dtype": "int2"})
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "dflash"])

@@ -128,12 +128,13 @@ def reduced_head(spec, llm, vocab: int):
     """The draft_vocab option (spec.options["draft_vocab"] = N): a ReducedHead over `llm`'s LM
     head rows for ids 0 .. N-1 + its special ids, `vocab` wide, wrapped in a ContextHead unless
     options["draft_vocab_context"] is False; None when the option is unset. The sub-head runs at
-    options["draft_head_dtype"] ("int8", "int4", "float32"; default `llm`'s dtype): it only
-    scores drafts, so a cheaper copy under a float32 verifier changes acceptance, never the output."""
+    options["head_dtype"] ("int8", "int4", "float32"; default `llm`'s dtype), as a head drafter's
+    own layers do (checkpoint.at_verifier_precision): it only scores drafts, so a cheaper copy
+    under a float32 verifier changes acceptance, never the output."""
     keep = spec.options.get("draft_vocab")
     if not keep:
         return None
-    dtype = spec.options.get("draft_head_dtype") or llm.dtype  # the sub-head's own precision (drafts only)
+    dtype = spec.options.get("head_dtype") or llm.dtype  # the sub-head's own precision (drafts only)
     head = ReducedHead(llm.model.lm_head, llm_kept_ids(llm, int(keep), vocab), vocab, dtype)
     return ContextHead(head) if spec.options.get("draft_vocab_context", True) else head
 
