@@ -121,14 +121,14 @@ class DraftModelDrafter:
             at = [list(range(f - 1, len(t))) for f, t in zip(fed, new)]  # the last fed token's position, each guess's
             logits = self._logits(batch, at)  # [N, V], N = positions over the rows, in order
             toks, q = draw(logits, params, generator)
-            first = torch.tensor([0, *itertools.accumulate(len(a) for a in at)][:-1])  # each row's first position
+            first = [0, *itertools.accumulate(len(a) for a in at)][:-1]  # each row's first position in [N]
             if step == 0 and self.tree_width > 1:
                 siblings = self._siblings(logits[first], None if q is None else q[first], [r.row for r in live],
                                           params, generator)
             sure = self._confident(logits, q, toks)  # [N] bools
             keep, took = [], []
             for i, r in enumerate(live):
-                o, guess, drafted = int(first[i]), new[i][fed[i]:], out[r.row][0]
+                o, guess, drafted = first[i], new[i][fed[i]:], out[r.row][0]
                 for j in range(len(at[i])):
                     if not sure[o + j]:  # no token here, and no more for this row: all it drafted was fed
                         fed_all.add(r.row)
@@ -173,19 +173,18 @@ class DraftModelDrafter:
     def _logits(self, batch, at: list[list[int]]) -> torch.Tensor:
         """[N, V]: the logits at positions at[b] of each row b (rows in order), over the
         verifier's vocabulary."""
+        if self.head is None and batch.tokens.shape[1] == 1:  # one token a row: its logits, nothing to pick
+            return fit_vocab(self.model(batch, self.cache, logits_at="all").logits[:, 0], self.vocab_size)
         dev = self.model.device
         rows = torch.tensor([b for b, a in enumerate(at) for _ in a], device=dev)  # [N]
-        cols = torch.tensor([p for a in at for p in a], device=dev)  # [N]
         if self.head is None:
-            if batch.tokens.shape[1] == 1:
-                return fit_vocab(self.model(batch, self.cache, logits_at="all").logits[:, 0], self.vocab_size)
             width = max(len(a) for a in at)
             idx = torch.tensor([a + a[-1:] * (width - len(a)) for a in at], device=dev)  # [B, P], ragged rows padded
             logits = self.model(batch, self.cache, logits_at=idx).logits  # [B, P, V]
-            slot = torch.tensor([j for a in at for j in range(len(a))], device=dev)
+            slot = torch.tensor([j for a in at for j in range(len(a))], device=dev)  # [N]
             return fit_vocab(logits[rows, slot], self.vocab_size)
         hidden = self.model(batch, self.cache, logits_at=None).hidden  # [B, T, H]
-        return self.head(hidden[rows, cols])
+        return self.head(hidden[rows, torch.tensor([p for a in at for p in a], device=dev)])
 
     def _siblings(self, logits, q, rows, params: SamplingParams, generator):
         """Extra first-position candidates. Greedy: the next-best distinct tokens (a
