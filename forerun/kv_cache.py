@@ -103,8 +103,10 @@ class KVCache:
             return
         rows = batch.row_index[:, None]  # [B, 1] broadcast with slots
         # Advanced indices (rows, slots) around a slice put their dims first: value [B, T, H, D].
-        self.k[layer][rows, :, batch.slots] = k.transpose(1, 2)
-        self.v[layer][rows, :, batch.slots] = v.transpose(1, 2)
+        # (.to: under torch.autocast, as in `forerun train --precision bfloat16`, k/v arrive in
+        # the autocast dtype; index_put does not convert by itself. A no-op otherwise.)
+        self.k[layer][rows, :, batch.slots] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][rows, :, batch.slots] = v.transpose(1, 2).to(self.v[layer].dtype)
 
     def check_fits(self, batch: ForwardBatch):
         if batch.kv_len > self.capacity:

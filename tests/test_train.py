@@ -79,6 +79,28 @@ def test_train_then_load_and_draft(verifier, corpus, tmp_path, method):
     assert sum(o.stats.accepted for o in got) > 0
 
 
+@pytest.mark.parametrize("method,over", [("eagle", {"unroll": 2}), ("dflash", {}), ("medusa", {})])
+def test_bfloat16_steps_train_a_head_that_drafts_exactly(verifier, corpus, tmp_path, method, over):
+    """--precision bfloat16: the step's products under autocast (the weights differ from the
+    float32 run's, so the option is in effect), still learning; evaluation and serving as before."""
+    from safetensors.torch import load_file
+
+    cfg = dict(steps=30, eval_every=30, save_every=30, **over)
+    f32 = train(_cfg(tmp_path / "f", corpus, method, **cfg), verifier=verifier)
+    bf16 = train(_cfg(tmp_path / "b", corpus, method, precision="bfloat16", **cfg), verifier=verifier)
+    a, b = load_file(str(f32 / "head.safetensors")), load_file(str(bf16 / "head.safetensors"))
+    assert a.keys() == b.keys() and all(b[k].dtype == torch.float32 for k in b)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    evals = [h for h in json.loads((bf16 / "trainer.json").read_text())["history"] if "eval_loss" in h]
+    assert evals[-1]["eval_loss"] < 0.9 * evals[0]["eval_loss"]
+    prompts = torch.randint(1, 32, (3, 6), generator=torch.Generator().manual_seed(5)).tolist()
+    plain = verifier.generate(prompts, GREEDY, speculative=None)
+    got = verifier.generate(prompts, GREEDY, speculative=SpeculativeConfig(method, 3, draft_model=str(bf16)))
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    with pytest.raises(ConfigError, match="--precision"):
+        _cfg(tmp_path / "x", corpus, method, precision="float16")
+
+
 def test_train_over_a_reduced_vocabulary(verifier, corpus, tmp_path):
     """--vocab N: the loss scores ids 0..N-1 (+ EOS) only; the head drafts over them by
     default (an explicit draft_vocab wins), and output stays plain decoding's."""
@@ -271,8 +293,10 @@ def test_a_large_jsonl_file_is_read_and_a_large_source_file_is_not(tmp_path):
 
 def test_cli_flags_make_the_config(tmp_path):
     args = build_parser().parse_args(["train", "--method", "eagle", "--out", str(tmp_path), "--data", "pkg:tqdm",
-                                      "--data", "notes.txt", "--steps", "7", "--lr", "0.001", "--max-minutes", "2"])
+                                      "--data", "notes.txt", "--steps", "7", "--lr", "0.001", "--max-minutes", "2",
+                                      "--precision", "bfloat16"])
     from dataclasses import fields
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     assert (cfg.method, cfg.data, cfg.steps, cfg.lr, cfg.max_minutes, cfg.resume) == ("eagle", ["pkg:tqdm", "notes.txt"], 7, 0.001, 2.0, False)
+    assert cfg.precision == "bfloat16"

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from forerun.errors import ConfigError
 
 METHODS = ("medusa", "eagle", "dflash")
+PRECISIONS = ("float32", "bfloat16")
 # Arguments a resumed run must share with the run it continues (the rest may change).
 FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup", "vocab", "unroll")
 
@@ -31,6 +32,7 @@ class TrainConfig:
     seed: int = 0
     unroll: int = 1  # eagle: training-time test steps (EAGLE-3): steps 2.. continue from the head's own guesses
     vocab: int | None = None  # score the loss over ids 0..N-1 + special ids only (FR-Spec); serve with draft_vocab N
+    precision: str = "float32"  # the training step's matmuls: "bfloat16" runs them under torch.autocast
     max_minutes: float | None = None  # stop (saving a checkpoint) after this long; --resume continues
     resume: bool = False
 
@@ -44,6 +46,8 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.vocab is not None and self.vocab < 2:
             raise ConfigError(f"--vocab must be >= 2 (or unset for the whole vocabulary), got {self.vocab}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.seq_len < 4 or not self.lr > 0 or self.warmup < 0:
             raise ConfigError("--seq-len must be >= 4, --lr > 0 and --warmup >= 0")
 

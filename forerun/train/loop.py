@@ -4,7 +4,8 @@
   2. the verifier's hidden states over every chunk (teacher.py, cached in --out);
   3. AdamW on the head, batches drawn by a seeded per-epoch permutation (a pure function
      of the step, so --resume needs no data-loader state), linear warm-up then linear
-     decay to 10%, gradient norm clipped at 1;
+     decay to 10%, gradient norm clipped at 1; --precision bfloat16 runs the step's
+     matrix products under torch.autocast (weights, optimizer state and losses float32);
   4. every --eval-every steps the held-out loss and draft accuracy (tqdm shows them);
      every --save-every steps, at the end, on Ctrl-C and at --max-minutes, a checkpoint
      (state.py) and the loss curve (loss.png).
@@ -102,7 +103,8 @@ def _run(cfg: TrainConfig, head, opt, step_fn, train_set, held_out, done: int, h
             idx = batch_indices(done, cfg.batch, len(tokens), cfg.seed)
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * lr_scale(done, cfg.warmup, cfg.steps)
-            res = step_fn(hidden[idx].to(dev).float(), tokens[idx].to(dev))
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16"):
+                res = step_fn(hidden[idx].to(dev).float(), tokens[idx].to(dev))
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
