@@ -11,6 +11,7 @@ from forerun.bench.grid import Workload, make_methods, run_workload
 from forerun.bench.report import write_reports
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.drift import compare, perturb_
+from forerun.models import int8_kernel
 from forerun.errors import ForerunError
 from forerun.llm import LLM
 from tests.tiny import tiny_model
@@ -139,6 +140,9 @@ def test_drift_on_a_perturbed_tiny_verifier():
 def test_perturb_refuses_integer_weights():
     with pytest.raises(ValueError, match="int8"):
         perturb_(tiny_model(seed=0, dtype="int8"), 0.1)
+    if int8_kernel.load() is not None:  # an int4 model holds its weights packed, in no uint8 buffer
+        with pytest.raises(ValueError, match="int4"):
+            perturb_(tiny_model(seed=0, dtype="int4"), 0.1)
 
 
 def test_cli_grid_options_and_advise(tmp_path, capsys):

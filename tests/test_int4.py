@@ -64,6 +64,31 @@ def test_weights_already_on_a_4_bit_grid_come_back_exactly():
     assert torch.equal(dequantize_groups(u2, d2, m2, K), w)
 
 
+def test_the_4_bit_weights_are_held_packed_only_and_unpack_exactly():
+    """An int4 linear keeps half a byte a weight (no unpacked copy beside the kernel's layout);
+    its rows unpack to quantize_groups' u, alone or any subset, and survive deepcopy / pickle."""
+    import copy
+    import io
+
+    torch.manual_seed(2)
+    base = torch.nn.Linear(130, 70)  # 70 rows: a ragged last block; 130 inputs: padded groups
+    lin = Int4Linear(base)
+    u_ref, _, _ = quantize_groups(base.weight.detach())
+    assert torch.equal(lin.u4_rows(), u_ref)
+    ids = torch.tensor([69, 0, 17, 16, 33, 5])
+    assert torch.equal(lin.u4_rows(ids), u_ref[ids])
+    held = sum(t.numel() * t.element_size() for t in list(lin.buffers()) + list(lin._packed))
+    assert not any(t.dtype == torch.uint8 for t in lin.buffers())
+    assert lin._packed[0].numel() == 96 * 192 // 2  # rows padded to 96, inputs to 192: half a byte each
+    assert held < 0.7 * 96 * 192  # with the scales and minima (before: + 1 byte a weight for an unpacked copy)
+    x = torch.randn(5, 130)
+    buf = io.BytesIO()
+    torch.save(lin, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(lin), torch.load(buf, weights_only=False)):
+        assert torch.equal(other(x), lin(x)) and torch.equal(other.weight, lin.weight)
+
+
 def test_padding_does_not_widen_the_last_group():
     w = torch.linspace(0.5, 1.0, 70).repeat(2, 1)  # 70 inputs: the last group has 6 real ones
     u, d, m = quantize_groups(w)

@@ -40,10 +40,10 @@ def float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     linear), reading only those rows (context ids change during a generation)."""
     if hasattr(head, "weight_int8"):
         return head.weight_int8[ids].float() * head.weight_scale[ids, None]
-    if hasattr(head, "weight_u4"):
+    if hasattr(head, "u4_rows"):
         from forerun.models.quant4 import dequantize_groups
 
-        return dequantize_groups(head.weight_u4[ids], head.weight_d[ids], head.weight_m[ids], head.in_features)
+        return dequantize_groups(head.u4_rows(ids), head.weight_d[ids], head.weight_m[ids], head.in_features)
     if hasattr(head, "weight_packed"):  # the float32 kernel's [M/16, K, 16]: row j is lane j % 16 of block j // 16
         return head.weight_packed[ids // 16, :, ids % 16]
     return head.weight.detach()[ids]

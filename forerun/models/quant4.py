@@ -75,6 +75,15 @@ def pack_int4(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     return w, blocked(dp), blocked(mp)
 
 
+def unpack_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """pack_int4's w -> u [len(ids), Kp] 0..15 of the given output rows (its inverse on them;
+    only their 16-row blocks are read)."""
+    blocks, G = w.shape[0], w.shape[1]
+    lanes = w.view(blocks, G, 8, 16, 4)[ids // 16, :, :, ids % 16]  # [n, G, 8, 4]: row id's bytes
+    halves = torch.stack([lanes & 15, lanes >> 4], dim=3)  # [n, G, 8, 2, 4] (low nibble first)
+    return halves.view(len(ids), G * GROUP)
+
+
 class Int4Linear(nn.Module):
     """nn.Linear's function at 4.5 bits a weight, through forerun's compiled kernel."""
 
@@ -82,9 +91,10 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         u, d, m = quantize_groups(linear.weight.detach().float())
-        self.register_buffer("weight_u4", u, persistent=False)  # [out, Kp] 0..15 (kept for copies / heads)
         self.register_buffer("weight_d", d, persistent=False)  # [out, Kp/64]
         self.register_buffer("weight_m", m, persistent=False)  # [out, Kp/64]
+        # The 4-bit weights are held packed only (half a byte each; u4_rows unpacks rows on demand).
+        self._packed = pack_int4(u, d, m)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.pre_norm = None  # an RMSNorm run first (see absorb_norm)
         self._build()
@@ -96,8 +106,13 @@ class Int4Linear(nn.Module):
                                "(see the warning above); use int8 or float32")
         self._kernel = kernel
         self._rows = kernel.int4_rows
-        self._packed = pack_int4(self.weight_u4, self.weight_d, self.weight_m)
         self._set_args()
+
+    def u4_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(ids) or out, Kp] uint8 0..15: the 4-bit weights of the given output rows (all by default)."""
+        if ids is None:
+            ids = torch.arange(self.out_features)
+        return unpack_rows(self._packed[0], ids)
 
     def _set_args(self):
         empty = torch.empty(0)
@@ -107,17 +122,17 @@ class Int4Linear(nn.Module):
         self._args = (*self._packed, bias, norm_w, eps, scale, zero, self.out_features)
         self.kernel_linear = self._kernel.KernelLinear(True, *self._args)  # the same call, bound in C++ (layer_rows.cpp)
 
-    def __getstate__(self):  # deepcopy / pickle: drop the kernel handle and packing...
-        return {**self.__dict__, "_kernel": None, "_rows": None, "_packed": None, "_args": None, "kernel_linear": None}
+    def __getstate__(self):  # deepcopy / pickle: drop the kernel handles (the packed weights are tensors)...
+        return {**self.__dict__, "_kernel": None, "_rows": None, "_args": None, "kernel_linear": None}
 
-    def __setstate__(self, state):  # ...and rebuild them from the 4-bit weights
+    def __setstate__(self, state):  # ...and bind them again
         super().__setstate__(state)
         self._build()
 
     @property
     def weight(self) -> torch.Tensor:
         """[out, in] float32: the weights this linear computes with (a copy)."""
-        return dequantize_groups(self.weight_u4, self.weight_d, self.weight_m, self.in_features)
+        return dequantize_groups(self.u4_rows(), self.weight_d, self.weight_m, self.in_features)
 
     def absorb_norm(self, norm: nn.Module) -> bool:
         """As Int8Linear.absorb_norm: linear(norm(x)) in one kernel call."""
