@@ -37,7 +37,7 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logp: torch.Tensor)
     >>> round(float(soft_cross_entropy(z, torch.log_softmax(z, -1))), 4)  # log 2
     0.6931
     """
-    return -(teacher_logp.exp() * torch.log_softmax(student_logits.float(), dim=-1)).sum(-1).mean()
+    return -(teacher_logp.exp() * torch.log_softmax(student_logits, dim=-1)).sum(-1).mean()
 
 
 def agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> float:
@@ -48,7 +48,7 @@ def medusa_objective(heads, lm_head, hidden: torch.Tensor) -> Objective:
     """hidden [B, T, H] float32 (frozen verifier states) -> loss averaged over the K heads."""
     T, K = hidden.shape[1], heads.config.num_heads
     with torch.no_grad():
-        teacher = torch.log_softmax(lm_head(hidden[:, 1:]).float(), dim=-1)  # [B, T-1, V]: p_1 .. p_{T-1}
+        teacher = torch.log_softmax(lm_head(hidden[:, 1:]), dim=-1)  # [B, T-1, V]: p_1 .. p_{T-1}
     feats = heads(hidden[:, : T - 1])  # [B, T-1, K, H]
     loss, acc = hidden.new_zeros(()), []
     for i in range(min(K, T - 1)):
@@ -74,7 +74,7 @@ def eagle_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Te
     cache = head.new_cache(B, n)
     guess = head(hidden[:, :-1], embed(batch.tokens).to(hidden.dtype), batch, cache)  # [B, n, H]
     with torch.no_grad():
-        teacher = torch.log_softmax(lm_head(hidden[:, 1:]).float(), dim=-1)  # [B, n, V]: p_{j+1}
+        teacher = torch.log_softmax(lm_head(hidden[:, 1:]), dim=-1)  # [B, n, V]: p_{j+1}
     loss, acc = hidden.new_zeros(()), []
     for s in range(1, min(unroll, n) + 1):
         if s > 1:
@@ -117,7 +117,7 @@ def dflash_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.T
     guess = head(feats, embed(nxt).to(hidden.dtype), valid)  # [B*A, K, H]
     target = hidden[:, anchors[:, None] + torch.arange(K, device=hidden.device)].reshape(B * A, K, H)  # h_{P+i-1}
     with torch.no_grad():
-        teacher = torch.log_softmax(lm_head(target).float(), dim=-1)
+        teacher = torch.log_softmax(lm_head(target), dim=-1)
     student = lm_head(guess)
     ce = soft_cross_entropy(student.flatten(0, 1), teacher.flatten(0, 1))
     loss = F.smooth_l1_loss(guess.float(), target) + EAGLE_CE_WEIGHT * ce

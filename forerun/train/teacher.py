@@ -54,7 +54,7 @@ def cached_hidden_states(folder: Path, model, chunks: torch.Tensor, key_extra: s
 
 
 def lm_head_function(model, kept: torch.Tensor | None = None):
-    """h [..., H] (float32) -> the verifier's logits [..., V], differentiable in h: its LM
+    """h [..., H] (float32) -> the verifier's logits [..., V] float32, differentiable in h: its LM
     head's float weights (dequantised for int8 / int4), Gemma's soft-capping included.
     kept: ids [n] to score instead of all V (logits [..., n]: the loss and accuracy then
     compare distributions renormalised over those ids, what a draft_vocab drafter proposes)."""
@@ -66,7 +66,7 @@ def lm_head_function(model, kept: torch.Tensor | None = None):
     cap = getattr(model.config, "final_logit_softcapping", None)
 
     def logits(h: torch.Tensor) -> torch.Tensor:
-        z = torch.nn.functional.linear(h, W)
+        z = torch.nn.functional.linear(h, W).float()  # (the product may run under autocast; the losses read float32)
         return cap * torch.tanh(z / cap) if cap else z
 
     return logits
