@@ -48,7 +48,28 @@ def _top_p_mask(x: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """[N, V] probabilities -> [N] token ids, one independent draw per row."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return sample_many(probs, 1, generator)[:, 0]
+
+
+def sample_many(probs: torch.Tensor, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """[N, V] probabilities (each row's scale free) -> [N, n] ids, n independent draws per row.
+
+    Inverse CDF: one uniform u per draw, the first id whose float64 cumulative mass exceeds
+    u x the row's total. An id of zero probability adds nothing to the cumulative sum, so it
+    is never the first to exceed anything; u < 1 keeps the draw below the total, and the
+    clamp to the last id with mass covers the rounding of u x total up to it. One uniform a
+    draw instead of torch.multinomial's one exponential per id (13 ms a draw over Qwen's
+    151,936 ids here, against well under 1 ms).
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"sample_many wants [N, V] probabilities, got shape {tuple(probs.shape)}")
+    cdf = probs.to(torch.float64).cumsum(-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]
+    if not bool(torch.isfinite(total).all() and (total > 0).all() and probs.min() >= 0):
+        raise ValueError("probabilities must be finite, non-negative and not all zero in every row")
+    u = torch.rand(probs.shape[0], n, generator=generator, dtype=torch.float64, device=probs.device)
+    picked = torch.searchsorted(cdf, u * total, right=True)  # [N, n]
+    return torch.minimum(picked, torch.searchsorted(cdf, total.contiguous()))  # the last id with mass
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor | None]:

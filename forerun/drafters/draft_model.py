@@ -26,7 +26,7 @@ from forerun.drafters.ngram import find_continuation
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
-from forerun.sampling import draw
+from forerun.sampling import draw, sample_many
 
 
 # A drafting step's usual catch-up, the last draft token and the bonus token after a fully
@@ -194,7 +194,7 @@ class DraftModelDrafter:
         if params.greedy:
             top = logits.topk(w + 1, dim=-1).indices[:, 1:].tolist()
             return {row: (top[i], None) for i, row in enumerate(rows)}
-        extra = torch.multinomial(q, w, replacement=True, generator=generator).tolist()
+        extra = sample_many(q, w, generator).tolist()
         return {row: (extra[i], q[i]) for i, row in enumerate(rows)}
 
     @staticmethod

@@ -22,7 +22,7 @@ from forerun.drafters.draft_vocab import for_rows, forget_row, reset_rows
 from forerun.drafters.features import FeatureStore
 from forerun.drafters.tree_select import TreeOptions, best_first_tree
 from forerun.kv_cache import KVCache
-from forerun.sampling import logits_to_probs
+from forerun.sampling import logits_to_probs, sample, sample_many
 
 
 class MedusaDrafter:
@@ -71,7 +71,7 @@ class MedusaDrafter:
             best = logits.argmax(-1).tolist()  # [B, K]
             return [Draft(best[b][:d]) for b, d in enumerate(depths)]
         q = logits_to_probs(logits, params)  # [B, K, V]
-        toks = torch.multinomial(q.view(B * K, V), 1, generator=generator).view(B, K).tolist()
+        toks = sample(q.view(B * K, V), generator).view(B, K).tolist()
         return [Draft(toks[b][:d], q[b, :d]) for b, d in enumerate(depths)]
 
     def _tree(self, logits: torch.Tensor, depths: list[int], params: SamplingParams, generator) -> list[Draft]:
@@ -81,7 +81,7 @@ class MedusaDrafter:
         top = logp.topk(min(self.tree.width, V), dim=-1)
         vals, ids = top.values.tolist(), top.indices.tolist()  # [B, K, w]
         if q is not None:  # `nodes` independent draws per (row, head): node j of depth d takes its own column
-            draws = torch.multinomial(q.view(B * K, V), self.tree.nodes, replacement=True, generator=generator)
+            draws = sample_many(q.view(B * K, V), self.tree.nodes, generator)
             draws = draws.view(B, K, -1).tolist()
         out = []
         for b, d in enumerate(depths):
