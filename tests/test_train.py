@@ -1,5 +1,7 @@
 """forerun train on a tiny verifier: train, save, load and draft; exact resume; refusals."""
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -230,17 +232,23 @@ def test_objectives_are_aligned_with_the_drafters():
     assert res.accuracy == [1.0, 1.0, 1.0] and abs(float(res.loss) - 0.1 * want) < 1e-5
 
 
-def test_resume_continues_exactly(verifier, corpus, tmp_path):
-    """Interrupted at step 4 (Ctrl-C), resumed: the same weights as an uninterrupted run."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_resume_continues_exactly(verifier, corpus, tmp_path, how):
+    """Interrupted at step 4 (Ctrl-C, or SIGTERM as `kill` sends), resumed: the same weights
+    as an uninterrupted run."""
     straight = train(_cfg(tmp_path / "a", corpus, "eagle", steps=8, eval_every=3, save_every=100), verifier=verifier)
 
     def stop(step):
         if step == 4:
-            raise KeyboardInterrupt
+            if how == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # handled by the run: it ends after this step
 
+    before = signal.getsignal(signal.SIGTERM)
     part = _cfg(tmp_path / "b", corpus, "eagle", steps=8, eval_every=3, save_every=100)
     train(part, verifier=verifier, on_step=stop)
     assert json.loads((tmp_path / "b" / "trainer.json").read_text())["steps_done"] == 4
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone
     part.resume = True
     train(part, verifier=verifier)
     from safetensors.torch import load_file

@@ -7,13 +7,16 @@
      decay to 10%, gradient norm clipped at 1; --precision bfloat16 runs the step's
      matrix products under torch.autocast (weights, optimizer state and losses float32);
   4. every --eval-every steps the held-out loss and draft accuracy (tqdm shows them);
-     every --save-every steps, at the end, on Ctrl-C and at --max-minutes, a checkpoint
-     (state.py) and the loss curve (loss.png).
+     every --save-every steps, at the end, on Ctrl-C or SIGTERM and at --max-minutes, a
+     checkpoint (state.py) and the loss curve (loss.png).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,36 +102,57 @@ def _run(cfg: TrainConfig, head, opt, step_fn, train_set, held_out, done: int, h
         history.append(evaluate(step_fn, held_out, cfg.batch, dev) | {"step": 0})
     bar = tqdm(total=cfg.steps, initial=done, desc=f"train {cfg.method}", file=sys.stderr)
     try:
-        while done < cfg.steps:
-            idx = batch_indices(done, cfg.batch, len(tokens), cfg.seed)
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * lr_scale(done, cfg.warmup, cfg.steps)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16"):
-                res = step_fn(hidden[idx].to(dev).float(), tokens[idx].to(dev))
-            opt.zero_grad(set_to_none=True)
-            res.loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
-            opt.step()
-            done += 1
-            loss = res.loss.item()
-            history.append({"step": done, "loss": loss, "accuracy": res.accuracy[0]})
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                last_eval = evaluate(step_fn, held_out, cfg.batch, dev) | {"step": done}
-                history.append(last_eval)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", held_out_acc=f"{last_eval.get('eval_accuracy', float('nan')):.3f}")
-            if done % cfg.save_every == 0:
-                _save(out, head, opt, done, cfg, history, card)
-            if on_step is not None:
-                on_step(done)
-            if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
-                print(f"forerun: --max-minutes {cfg.max_minutes} reached after {done} steps; --resume continues", file=sys.stderr)
-                break
+        with _stop_on_sigterm() as terminated:
+            while done < cfg.steps:
+                idx = batch_indices(done, cfg.batch, len(tokens), cfg.seed)
+                for g in opt.param_groups:
+                    g["lr"] = cfg.lr * lr_scale(done, cfg.warmup, cfg.steps)
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16"):
+                    res = step_fn(hidden[idx].to(dev).float(), tokens[idx].to(dev))
+                opt.zero_grad(set_to_none=True)
+                res.loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
+                opt.step()
+                done += 1
+                loss = res.loss.item()
+                history.append({"step": done, "loss": loss, "accuracy": res.accuracy[0]})
+                if done % cfg.eval_every == 0 or done == cfg.steps:
+                    last_eval = evaluate(step_fn, held_out, cfg.batch, dev) | {"step": done}
+                    history.append(last_eval)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", held_out_acc=f"{last_eval.get('eval_accuracy', float('nan')):.3f}")
+                if done % cfg.save_every == 0:
+                    _save(out, head, opt, done, cfg, history, card)
+                if on_step is not None:
+                    on_step(done)
+                if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+                    print(f"forerun: --max-minutes {cfg.max_minutes} reached after {done} steps; --resume continues", file=sys.stderr)
+                    break
+                if terminated.is_set():
+                    print(f"\nforerun: SIGTERM after {done} steps; saved, --resume continues", file=sys.stderr)
+                    break
     except KeyboardInterrupt:
         print(f"\nforerun: interrupted after {done} steps; saved, --resume continues", file=sys.stderr)
     finally:
         bar.close()
         _save(out, head, opt, done, cfg, history, card)
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """While training: SIGTERM (kill, a scheduler's stop) ends the run after the step in
+    progress, which then saves a checkpoint as at --max-minutes, so --resume continues
+    exactly. (A job started with `&` from a script ignores SIGINT: TERM is the signal that
+    reaches it.) Yields the Event the handler sets; outside the main thread none is installed."""
+    terminated = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield terminated
+        return
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    try:
+        yield terminated
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _save(out: Path, head, opt, done: int, cfg: TrainConfig, history: list[dict], card: dict) -> None:
