@@ -129,6 +129,29 @@ def test_int8_chains_equal_int8_plain_decoding():
         assert not any(isinstance(m, Int8Linear) for m in at_verifier_precision(head, spec, llm).modules())
 
 
+
+@pytest.mark.parametrize("method", ["eagle", "dflash"])
+def test_int8_head_keeps_the_embedding_half_of_its_input(method):
+    """fc reads [features; embeddings]; features run ~100x larger. The int8 copy scales each
+    half on its own (SplitInputLinear), so the token's embedding still reaches the head: its
+    fc output stays within a few percent of the float head's, and the embedding half moves it."""
+    from forerun.heads.checkpoint import at_verifier_precision
+    from forerun.heads.eagle import SplitInputLinear
+
+    llm = LLM(tiny_model(seed=0, dtype="int8", hidden_size=64, intermediate_size=128), dtype="int8")
+    head = new_head(method, llm.model)
+    fc8 = at_verifier_precision(head, SpeculativeConfig(method, 3, draft_model=head), llm).fc
+    assert isinstance(fc8, SplitInputLinear)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(5, 64, generator=g) * 4
+    feats[:, 7] = 120.0  # an outlier channel, as Qwen2.5's post-norm states have
+    embeds = torch.randn(5, 64, generator=g) * 0.02
+    with torch.no_grad():
+        want = head.fc(torch.cat([feats, embeds], -1)) - head.fc(torch.cat([feats, torch.zeros_like(embeds)], -1))
+        got = fc8(torch.cat([feats, embeds], -1)) - fc8(torch.cat([feats, torch.zeros_like(embeds)], -1))
+    assert want.norm() > 0
+    assert (got - want).norm() < 0.05 * want.norm()  # the embeddings' contribution survives at int8
+
 # -- drafts equal a from-scratch computation ------------------------------------------------
 def _drafter(verifier, spec, seq):
     """A drafter that has seen prefill of `seq` (its hidden states), ready to propose."""

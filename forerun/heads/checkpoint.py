@@ -122,4 +122,11 @@ def at_verifier_precision(head: nn.Module, spec, verifier) -> nn.Module:
     want = spec.options.get("head_dtype", verifier.dtype)
     if want not in ("float32", "int8", "int4"):
         raise ConfigError(f"options['head_dtype'] must be float32, int8 or int4, got {want!r}")
-    return quantize_int8_(copy.deepcopy(head)) if want in ("int8", "int4") else head  # (an in-memory head stays float)
+    if want not in ("int8", "int4"):
+        return head
+    head = copy.deepcopy(head)  # (an in-memory head stays float)
+    if getattr(head, "kind", None) in ("eagle", "dflash"):  # fc reads [features; embeddings]
+        from forerun.heads.eagle import SplitInputLinear
+
+        head.fc = SplitInputLinear(head.fc, head.fc.out_features)  # a range per half (see there)
+    return quantize_int8_(head)
