@@ -123,6 +123,30 @@ def test_train_over_a_reduced_vocabulary(verifier, corpus, tmp_path):
         _cfg(tmp_path / "w", corpus, "eagle", vocab=1)
 
 
+@pytest.mark.parametrize("method", ["eagle", "dflash"])
+def test_a_narrower_head_trains_loads_and_drafts_exactly(verifier, corpus, tmp_path, method):
+    """--intermediate-size: the head's MLP narrower than the verifier's; the width is in
+    head.json, so serving builds the same shape, and output stays plain decoding's."""
+    from safetensors.torch import load_file
+
+    width = verifier.model.config.intermediate_size // 4
+    out = train(_cfg(tmp_path / "n", corpus, method, steps=20, eval_every=20, save_every=20, intermediate_size=width),
+                verifier=verifier)
+    assert json.loads((out / "head.json").read_text())["config"]["intermediate_size"] == width
+    down = [t for k, t in load_file(str(out / "head.safetensors")).items() if k.endswith(("down_proj.weight", "down.weight"))]
+    assert down and all(t.shape[1] == width for t in down)
+    prompts = torch.randint(1, 32, (3, 6), generator=torch.Generator().manual_seed(6)).tolist()
+    plain = verifier.generate(prompts, GREEDY, speculative=None)
+    got = verifier.generate(prompts, GREEDY, speculative=SpeculativeConfig(method, 3, draft_model=str(out)))
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    with pytest.raises(ConfigError, match="differ from the run"):  # the width is fixed on --resume
+        train(_cfg(tmp_path / "n", corpus, method, steps=20, eval_every=20, save_every=20, resume=True), verifier=verifier)
+    with pytest.raises(ConfigError, match="--intermediate-size"):
+        _cfg(tmp_path / "m", corpus, "medusa", intermediate_size=width)
+    with pytest.raises(ConfigError, match="--intermediate-size"):
+        _cfg(tmp_path / "m", corpus, method, intermediate_size=0)
+
+
 def test_training_time_test_steps_equal_drafting_from_guesses():
     """--unroll: step s of the objective computes, for every column j at once, what drafting
     computes after the true pairs 0..j: the head fed its own guesses, s - 1 deep."""
@@ -302,9 +326,9 @@ def test_a_large_jsonl_file_is_read_and_a_large_source_file_is_not(tmp_path):
 def test_cli_flags_make_the_config(tmp_path):
     args = build_parser().parse_args(["train", "--method", "eagle", "--out", str(tmp_path), "--data", "pkg:tqdm",
                                       "--data", "notes.txt", "--steps", "7", "--lr", "0.001", "--max-minutes", "2",
-                                      "--precision", "bfloat16"])
+                                      "--precision", "bfloat16", "--intermediate-size", "64"])
     from dataclasses import fields
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     assert (cfg.method, cfg.data, cfg.steps, cfg.lr, cfg.max_minutes, cfg.resume) == ("eagle", ["pkg:tqdm", "notes.txt"], 7, 0.001, 2.0, False)
-    assert cfg.precision == "bfloat16"
+    assert cfg.precision == "bfloat16" and cfg.intermediate_size == 64

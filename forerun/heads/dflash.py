@@ -48,9 +48,9 @@ class DFlashConfig:
             raise ConfigError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
 
     @classmethod
-    def for_verifier(cls, c, num_heads: int = 6) -> "DFlashConfig":
-        """The verifier's width; `num_heads` (train's flag) is the block size."""
-        return cls(c.hidden_size, c.intermediate_size, c.num_attention_heads, block=num_heads, rms_norm_eps=c.rms_norm_eps)
+    def for_verifier(cls, c, num_heads: int = 6, intermediate_size: int | None = None) -> "DFlashConfig":
+        """The verifier's width; `num_heads` (train's flag) is the block size; intermediate_size narrows the MLP."""
+        return cls(c.hidden_size, intermediate_size or c.intermediate_size, c.num_attention_heads, block=num_heads, rms_norm_eps=c.rms_norm_eps)
 
 
 class BlockLayer(nn.Module):

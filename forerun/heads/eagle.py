@@ -38,9 +38,9 @@ class EagleConfig:
     rope_scaling: dict | None = None
 
     @classmethod
-    def for_verifier(cls, c: ModelConfig) -> "EagleConfig":
-        """The verifier's layer shape (one layer of it)."""
-        return cls(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+    def for_verifier(cls, c: ModelConfig, intermediate_size: int | None = None) -> "EagleConfig":
+        """The verifier's layer shape (one layer of it); intermediate_size narrows its MLP."""
+        return cls(c.hidden_size, intermediate_size or c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                    c.rms_norm_eps, c.rope_theta, c.rope_scaling)
 
     def layer_config(self) -> ModelConfig:

@@ -27,6 +27,8 @@ HELP = {
     "seed": "seed for the data order, the split and the initial weights",
     "unroll": "eagle: training-time test (EAGLE-3): steps 2..N feed the head its own guesses, as drafting does "
               "(each step costs about one more step-1 pass)",
+    "intermediate_size": "eagle, dflash: the head's MLP width (default: the verifier's); a narrower head drafts "
+                         "faster and learns less",
     "vocab": "score the loss over token ids 0..N-1 and the special tokens only (the first N ids of a BPE are its "
              "most frequent): N/V of the vocabulary's cost per step; serve the head with --draft-vocab N",
     "precision": "the training step's matrix products: bfloat16 runs them under torch.autocast (weights, optimizer "
@@ -53,7 +55,7 @@ def add_parser(sub, fmt) -> None:
             t.add_argument(flag, type=float, default=None, help=HELP[f.name])
         elif f.name == "precision":
             t.add_argument(flag, choices=list(PRECISIONS), default=f.default, help=HELP[f.name])
-        elif f.name == "vocab":
+        elif f.name in ("vocab", "intermediate_size"):
             t.add_argument(flag, type=int, default=None, help=HELP[f.name])
         else:
             kind = str if f.type in ("str", "str | None") else {"int": int, "float": float}[f.type]

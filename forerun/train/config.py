@@ -8,7 +8,7 @@ from forerun.errors import ConfigError
 METHODS = ("medusa", "eagle", "dflash")
 PRECISIONS = ("float32", "bfloat16")
 # Arguments a resumed run must share with the run it continues (the rest may change).
-FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup", "vocab", "unroll")
+FIXED_ON_RESUME = ("method", "num_heads", "data", "seq_len", "max_tokens", "eval_chunks", "seed", "batch", "lr", "steps", "warmup", "vocab", "unroll", "intermediate_size")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     unroll: int = 1  # eagle: training-time test steps (EAGLE-3): steps 2.. continue from the head's own guesses
+    intermediate_size: int | None = None  # eagle / dflash: the head's MLP width (default: the verifier's)
     vocab: int | None = None  # score the loss over ids 0..N-1 + special ids only (FR-Spec); serve with draft_vocab N
     precision: str = "float32"  # the training step's matmuls: "bfloat16" runs them under torch.autocast
     max_minutes: float | None = None  # stop (saving a checkpoint) after this long; --resume continues
@@ -46,6 +47,11 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.vocab is not None and self.vocab < 2:
             raise ConfigError(f"--vocab must be >= 2 (or unset for the whole vocabulary), got {self.vocab}")
+        if self.intermediate_size is not None:
+            if self.method == "medusa":
+                raise ConfigError("--intermediate-size is for eagle and dflash heads (a Medusa head is one H x H block)")
+            if self.intermediate_size < 1:
+                raise ConfigError(f"--intermediate-size must be >= 1 (or unset for the verifier's), got {self.intermediate_size}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.seq_len < 4 or not self.lr > 0 or self.warmup < 0:

@@ -44,7 +44,7 @@ def train(cfg: TrainConfig, verifier=None, on_step=None) -> Path:
     torch.manual_seed(cfg.seed)
     llm = verifier or LLM(model=cfg.model, dtype=cfg.dtype, device=cfg.device, speculative=None)
     train_set, held_out = _dataset(cfg, llm, out)
-    head = new_head(cfg.method, llm.model, **({} if cfg.method == "eagle" else {"num_heads": cfg.num_heads})).float()
+    head = new_head(cfg.method, llm.model, **_head_shape(cfg)).float()
     if cfg.method in ("eagle", "dflash"):  # guesses start on the scale of the verifier's post-norm states
         head.norm.weight.data.copy_(llm.model.model.norm.weight.float())
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -54,6 +54,14 @@ def train(cfg: TrainConfig, verifier=None, on_step=None) -> Path:
     step_fn = _objective(cfg.method, head, llm.model, _kept(llm, cfg.vocab), cfg.unroll)
     _run(cfg, head, opt, step_fn, train_set, held_out, done, history, card, on_step)
     return out
+
+
+def _head_shape(cfg: TrainConfig) -> dict:
+    """new_head's overrides of the verifier-shaped default."""
+    shape = {} if cfg.method == "eagle" else {"num_heads": cfg.num_heads}
+    if cfg.intermediate_size is not None:
+        shape["intermediate_size"] = cfg.intermediate_size
+    return shape
 
 
 def _dataset(cfg: TrainConfig, llm, out: Path):
