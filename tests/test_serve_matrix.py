@@ -114,6 +114,21 @@ def test_launched_waits_for_health_and_stops_with_sigint(tmp_path):
     assert server.proc.returncode == 0 and "stopped cleanly" in (tmp_path / "s.log").read_text()
 
 
+def test_launched_stops_with_sigint_from_a_launcher_that_ignores_it(tmp_path):
+    """A launcher run as `cmd &` from a script has SIGINT ignored; its server must still hear it."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        port = launch.free_port()
+        server = launch.Launched([sys.executable, "-c", HEALTH_SERVER, str(port)], port, tmp_path / "s.log", timeout=30)
+        with server:
+            pass
+        assert server.proc.returncode == 0 and "stopped cleanly" in (tmp_path / "s.log").read_text()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_launched_reports_a_server_that_dies_with_its_log(tmp_path):
     port = launch.free_port()
     argv = [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"]

@@ -26,6 +26,13 @@ def tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _hear_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A launcher started with `&` from a
+    script ignores SIGINT, children inherit that, and a Python server that starts with SIGINT
+    ignored keeps it ignored: stop() could then only kill it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Launched:
     """`with Launched(argv, port, log) as url:` runs argv (which must listen on 127.0.0.1:port)
     until the block ends. `env`: extra environment variables; `timeout`: seconds to wait for
@@ -39,7 +46,8 @@ class Launched:
     def __enter__(self) -> str:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                         preexec_fn=_hear_sigint)
         try:
             self._wait_healthy()
         except BaseException:
