@@ -73,6 +73,12 @@ def test_train_then_load_and_draft(verifier, corpus, tmp_path, method):
     if method != "medusa":  # (an untrained Medusa head repeats the verifier's next token: on this repetitive
         assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"] + 0.1  # text a strong baseline for 40 steps)
     assert card["training"]["held_out_accuracy"] == evals[-1]["eval_accuracy"]
+    if method != "eagle":  # positions 1..i all agreeing: what a chain's acceptance needs
+        joint, alone = evals[-1]["eval_joint_all"], evals[-1]["eval_accuracy_all"]
+        assert card["training"]["held_out_joint_per_position"] == joint and len(joint) == len(alone) == 3
+        # (Medusa's joint figures count only the starts every head has: 29 of 31 here)
+        assert joint[0] == pytest.approx(alone[0], abs=0.05) and all(j <= a + 0.05 for j, a in zip(joint, alone))
+        assert all(b <= a for a, b in zip(joint, joint[1:])) and joint[1] > 0
     # the saved head drafts for its verifier: greedy output is plain decoding's, drafts get accepted
     prompts = torch.randint(1, 32, (4, 6), generator=torch.Generator().manual_seed(9)).tolist()
     plain = verifier.generate(prompts, GREEDY, speculative=None)
@@ -145,6 +151,17 @@ def test_a_narrower_head_trains_loads_and_drafts_exactly(verifier, corpus, tmp_p
         _cfg(tmp_path / "m", corpus, "medusa", intermediate_size=width)
     with pytest.raises(ConfigError, match="--intermediate-size"):
         _cfg(tmp_path / "m", corpus, method, intermediate_size=0)
+
+
+def test_joint_agreement_counts_starts_where_every_position_so_far_agrees():
+    from forerun.train.objectives import joint_agreement
+
+    T, F = True, False
+    per = [torch.tensor([[T, T, F, T], [T, F, T, T]]), torch.tensor([[F, T, T], [T, F, T]]), torch.tensor([[T, T], [T, T]])]
+    # the common starts are 0 and 1: position 0 agrees on 3 of 4, positions 0-1 on 2 (row 0 start 1,
+    # row 1 start 0), positions 0-2 on the same 2
+    assert joint_agreement(per) == [0.75, 0.5, 0.5]
+    assert joint_agreement([torch.tensor([[F, T]])]) == [0.5]
 
 
 def test_training_time_test_steps_equal_drafting_from_guesses():

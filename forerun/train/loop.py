@@ -166,7 +166,8 @@ def _stop_on_sigterm():
 def _save(out: Path, head, opt, done: int, cfg: TrainConfig, history: list[dict], card: dict) -> None:
     ev = _last_eval(history)
     info = {**card, "held_out_loss": ev.get("eval_loss"), "held_out_accuracy": ev.get("eval_accuracy"),
-            "held_out_accuracy_per_position": ev.get("eval_accuracy_all")}
+            "held_out_accuracy_per_position": ev.get("eval_accuracy_all"),
+            "held_out_joint_per_position": ev.get("eval_joint_all")}
     state.save(out, head, opt, done, cfg.fixed(), history, info)
     plot.plot_history(history, out / "loss.png", f"{cfg.method} head for {card['verifier']}")
 
@@ -179,15 +180,19 @@ def _last_eval(history: list[dict]) -> dict:
 def evaluate(step_fn, held_out, batch: int, device) -> dict:
     """Held-out loss and top-1 agreement (mean over chunks; per Medusa head in _all)."""
     tokens, hidden = held_out
-    losses, accs, n = 0.0, None, 0
+    losses, accs, joint, n = 0.0, None, None, 0
     for i in range(0, len(tokens), batch):
         res: Objective = step_fn(hidden[i : i + batch].to(device).float(), tokens[i : i + batch].to(device))
         w = len(tokens[i : i + batch])
         losses += float(res.loss) * w
         accs = [a * w + (accs[j] if accs else 0.0) for j, a in enumerate(res.accuracy)]
+        if res.joint is not None:
+            joint = [a * w + (joint[j] if joint else 0.0) for j, a in enumerate(res.joint)]
         n += w
-    accs = [a / n for a in accs]
-    return {"eval_loss": losses / n, "eval_accuracy": accs[0], "eval_accuracy_all": accs}
+    out = {"eval_loss": losses / n, "eval_accuracy": accs[0] / n, "eval_accuracy_all": [a / n for a in accs]}
+    if joint is not None:
+        out["eval_joint_all"] = [a / n for a in joint]  # positions 1..i all agree (Medusa, block heads)
+    return out
 
 
 def lr_scale(step: int, warmup: int, steps: int) -> float:

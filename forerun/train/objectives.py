@@ -29,6 +29,9 @@ DFLASH_STRIDE = 3  # anchors per chunk: every third position (neighbours share m
 class Objective:
     loss: torch.Tensor  # scalar, differentiable in the head's parameters
     accuracy: list[float]  # top-1 agreement: per Medusa head, or [EAGLE's next-token guess]
+    # Medusa / block heads: positions 1..i all agree (a chain's acceptance needs that; accuracy[i]
+    # counts position i alone, and a block head's positions agree on different tokens' drafts)
+    joint: list[float] | None = None
 
 
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -41,7 +44,27 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logp: torch.Tensor)
 
 
 def agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> float:
-    return float((student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean())
+    return float(hits(student_logits, teacher_logits).float().mean())
+
+
+def hits(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    return student_logits.argmax(-1) == teacher_logits.argmax(-1)
+
+
+def joint_agreement(per_position: list[torch.Tensor]) -> list[float]:
+    """per_position[i]: bool hits [B, n_i] of position i at draft starts 0..n_i - 1 -> per i,
+    the share of the starts every position has (the first min n_i) where positions 0..i all
+    agree (non-increasing in i).
+    >>> joint_agreement([torch.tensor([[True, True, False]]), torch.tensor([[True, False]])])
+    [1.0, 0.5]
+    """
+    n = min(h.shape[1] for h in per_position)
+    run = torch.ones_like(per_position[0][:, :n])
+    out = []
+    for h in per_position:
+        run = run & h[:, :n]
+        out.append(float(run.float().mean()))
+    return out
 
 
 def medusa_objective(heads, lm_head, hidden: torch.Tensor) -> Objective:
@@ -50,13 +73,14 @@ def medusa_objective(heads, lm_head, hidden: torch.Tensor) -> Objective:
     with torch.no_grad():
         teacher = torch.log_softmax(lm_head(hidden[:, 1:]), dim=-1)  # [B, T-1, V]: p_1 .. p_{T-1}
     feats = heads(hidden[:, : T - 1])  # [B, T-1, K, H]
-    loss, acc = hidden.new_zeros(()), []
+    loss, acc, per = hidden.new_zeros(()), [], []
     for i in range(min(K, T - 1)):
         n = T - 1 - i  # positions t = 0 .. T-2-i; target p_{t+1+i} = teacher[:, t + i]
         student = lm_head(feats[:, :n, i])
         loss = loss + soft_cross_entropy(student, teacher[:, i : i + n])
-        acc.append(agreement(student, teacher[:, i : i + n]))
-    return Objective(loss / K, acc)
+        per.append(hits(student, teacher[:, i : i + n]))
+        acc.append(float(per[-1].float().mean()))
+    return Objective(loss / K, acc, joint_agreement(per))
 
 
 def eagle_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Tensor, unroll: int = 1) -> Objective:
@@ -121,7 +145,8 @@ def dflash_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.T
     student = lm_head(guess)
     ce = soft_cross_entropy(student.flatten(0, 1), teacher.flatten(0, 1))
     loss = F.smooth_l1_loss(guess.float(), target) + EAGLE_CE_WEIGHT * ce
-    return Objective(loss, [agreement(student[:, i], teacher[:, i]) for i in range(K)])
+    per = [hits(student[:, i], teacher[:, i])[:, None] for i in range(K)]  # [B*A, 1] each: one draft per anchor
+    return Objective(loss, [float(h.float().mean()) for h in per], joint_agreement(per))
 
 
 def block_context(hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, C: int):
