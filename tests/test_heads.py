@@ -129,7 +129,6 @@ def test_int8_chains_equal_int8_plain_decoding():
         assert not any(isinstance(m, Int8Linear) for m in at_verifier_precision(head, spec, llm).modules())
 
 
-
 @pytest.mark.parametrize("method", ["eagle", "dflash"])
 def test_int8_head_keeps_the_embedding_half_of_its_input(method):
     """fc reads [features; embeddings]; features run ~100x larger. The int8 copy scales each
@@ -151,6 +150,7 @@ def test_int8_head_keeps_the_embedding_half_of_its_input(method):
         got = fc8(torch.cat([feats, embeds], -1)) - fc8(torch.cat([feats, torch.zeros_like(embeds)], -1))
     assert want.norm() > 0
     assert (got - want).norm() < 0.05 * want.norm()  # the embeddings' contribution survives at int8
+
 
 # -- drafts equal a from-scratch computation ------------------------------------------------
 def _drafter(verifier, spec, seq):

@@ -67,20 +67,25 @@ def joint_agreement(per_position: list[torch.Tensor]) -> list[float]:
     return out
 
 
+def by_position(loss: torch.Tensor, per_position: list[torch.Tensor]) -> Objective:
+    """Medusa's and the block head's Objective from each position's bool hits [B, n_i]: the
+    agreement at each position alone and the joint agreement."""
+    return Objective(loss, [float(h.float().mean()) for h in per_position], joint_agreement(per_position))
+
+
 def medusa_objective(heads, lm_head, hidden: torch.Tensor) -> Objective:
     """hidden [B, T, H] float32 (frozen verifier states) -> loss averaged over the K heads."""
     T, K = hidden.shape[1], heads.config.num_heads
     with torch.no_grad():
         teacher = torch.log_softmax(lm_head(hidden[:, 1:]), dim=-1)  # [B, T-1, V]: p_1 .. p_{T-1}
     feats = heads(hidden[:, : T - 1])  # [B, T-1, K, H]
-    loss, acc, per = hidden.new_zeros(()), [], []
+    loss, per = hidden.new_zeros(()), []
     for i in range(min(K, T - 1)):
         n = T - 1 - i  # positions t = 0 .. T-2-i; target p_{t+1+i} = teacher[:, t + i]
         student = lm_head(feats[:, :n, i])
         loss = loss + soft_cross_entropy(student, teacher[:, i : i + n])
         per.append(hits(student, teacher[:, i : i + n]))
-        acc.append(float(per[-1].float().mean()))
-    return Objective(loss / K, acc, joint_agreement(per))
+    return by_position(loss / K, per)
 
 
 def eagle_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.Tensor, unroll: int = 1) -> Objective:
@@ -145,8 +150,7 @@ def dflash_objective(head, embed, lm_head, hidden: torch.Tensor, tokens: torch.T
     student = lm_head(guess)
     ce = soft_cross_entropy(student.flatten(0, 1), teacher.flatten(0, 1))
     loss = F.smooth_l1_loss(guess.float(), target) + EAGLE_CE_WEIGHT * ce
-    per = [hits(student[:, i], teacher[:, i])[:, None] for i in range(K)]  # [B*A, 1] each: one draft per anchor
-    return Objective(loss, [float(h.float().mean()) for h in per], joint_agreement(per))
+    return by_position(loss, [hits(student[:, i], teacher[:, i])[:, None] for i in range(K)])  # [B*A, 1]: a draft per anchor
 
 
 def block_context(hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, C: int):
