@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods")
     from forerun.bench.commands import add_parsers
 
-    add_parsers(sub, _common, fmt)  # bench, advise, drift
+    add_parsers(sub, _common, fmt)  # bench, advise, drift, quality
     from forerun.train.command import add_parser as add_train
 
     add_train(sub, fmt)
@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(available_methods()))
             return 0
         commands = {"generate": cmd_generate, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
-        from forerun.bench.commands import cmd_advise, cmd_bench, cmd_drift
+        from forerun.bench.commands import cmd_advise, cmd_bench, cmd_drift, cmd_quality
 
-        commands.update(bench=cmd_bench, advise=cmd_advise, drift=cmd_drift)
+        commands.update(bench=cmd_bench, advise=cmd_advise, drift=cmd_drift, quality=cmd_quality)
         from forerun.train.command import cmd_train
 
         from forerun.train.distill import cmd_distill

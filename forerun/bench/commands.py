@@ -1,5 +1,5 @@
-"""The CLI side of `forerun bench`, `forerun advise` and `forerun drift` (parsers and
-commands; forerun/cli.py registers them). Imports stay inside the commands so that
+"""The CLI side of `forerun bench`, `forerun advise`, `forerun drift` and `forerun quality`
+(parsers and commands; forerun/cli.py registers them). Imports stay inside the commands so that
 `forerun --help` does not load torch."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ BENCH_SETS = "spec_bench:summarization,spec_bench:qa,humaneval"
 
 
 def add_parsers(sub, common, fmt):
-    """bench, advise and drift subparsers; `common` adds the shared model/sampling/drafter options."""
+    """bench, advise, drift and quality subparsers; `common` adds the shared model/sampling/drafter options."""
     b = sub.add_parser("bench", formatter_class=fmt, conflict_handler="resolve",
                        help="plain vs methods x k on prompt sets: JSON, Markdown/HTML report, plots, a verdict")
     common(b)
@@ -54,6 +54,18 @@ def add_parsers(sub, common, fmt):
     d.add_argument("--data-dir", default=None, help="prompt data folder")
     d.add_argument("--limit", type=int, default=3, help="prompts per workload")
     d.add_argument("--out", default=None, help="write the comparison as JSON here")
+    q = sub.add_parser("quality", formatter_class=fmt,
+                       help="fidelity per precision: perplexity, KL and top-1 agreement vs float32 on a text")
+    q.add_argument("--model", default=None, help="model folder, .gguf file, hub id, or embedded name (default: smollm2-135m)")
+    q.add_argument("--dtype", default="float32,int8", help="comma-separated precisions (float32, the reference, always runs first)")
+    q.add_argument("--text", action="append", default=None, metavar="FILE",
+                   help="a UTF-8 text file to score (repeatable: concatenated); default: the Python sources of "
+                        "argparse, difflib and textwrap from this interpreter")
+    q.add_argument("--ctx", type=int, default=512, help="tokens per chunk (the second half of each is scored)")
+    q.add_argument("--chunks", type=int, default=6, help="chunks scored (at most the text's tokens // --ctx)")
+    q.add_argument("--llama-cpp-dir", default=None,
+                   help="folder with llama-perplexity: add its estimate on the model's GGUF as a row")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _ks(text: str) -> list:
@@ -280,3 +292,78 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
         pairs = run_workload(verifier, methods, w, params)
         cells += [summarize_cell(w.category, m.label, m.k, pairs[m.label], params.greedy) for m in methods]
     return cells
+
+
+def cmd_quality(args) -> int:
+    from dataclasses import asdict
+
+    import torch
+    from tqdm import tqdm
+
+    from forerun.bench.quality import QualityRow, evaluate, llama_perplexity, make_chunks, markdown_table, scored_span
+    from forerun.llm import LLM
+    from forerun.models.loader import load_model
+
+    dtypes = _quality_dtypes(args.dtype)
+    if args.ctx < 4 or args.chunks < 1:
+        raise ForerunError("--ctx must be >= 4 and --chunks >= 1")
+    text, sources = _quality_text(args.text)
+    llama = _llama_run(args.llama_cpp_dir, args.model, torch.get_num_threads()) if args.llama_cpp_dir else None
+    ref = LLM(model=args.model, dtype="float32")
+    if args.ctx > ref.max_context:
+        raise ForerunError(f"--ctx {args.ctx}: the model's context is {ref.max_context} tokens")
+    lead = ref.tokenizer.encode("")  # [BOS] when the tokenizer adds one (llama.cpp's add_bos), else []
+    bos = lead[0] if lead else None
+    ids = ref.tokenizer.encode(text)
+    if len(ids) < 2 * args.ctx:  # llama-perplexity's own floor: both score the same chunks
+        raise ForerunError(f"the text is {len(ids)} tokens; --ctx {args.ctx} needs at least {2 * args.ctx}")
+    chunks = make_chunks(ids, args.ctx, args.chunks, bos)
+    models = {"float32": ref.model, **{d: load_model(ref.source, d) for d in dtypes}}
+    print(f"forerun: {ref.name}: {len(chunks)} chunks of {args.ctx} tokens ({len(scored_span(args.ctx))} scored "
+          f"a chunk) from {', '.join(Path(s).name for s in sources)}", file=sys.stderr, flush=True)
+    with tqdm(total=len(chunks) * len(models), desc="chunk x precision", file=sys.stderr) as bar:
+        rows = evaluate(models, chunks, progress=bar.update)
+    if llama is not None:
+        ppl, tokens = llama_perplexity(llama, text, args.ctx, args.chunks)
+        rows.append(QualityRow(f"llama.cpp ({llama.gguf.name})", ppl, tokens, (ppl / rows[0].ppl - 1) * 100))
+    if args.json:
+        print(json.dumps({"model": ref.name, "text": sources, "text_tokens": len(ids), "bos": bos is not None,
+                          "ctx": args.ctx, "chunks": len(chunks), "rows": [asdict(r) for r in rows]}, indent=2))
+    else:
+        print(markdown_table(rows))
+    return 0
+
+
+def _quality_dtypes(text: str) -> list[str]:
+    """The precisions besides float32 (always the reference), in order, each once."""
+    from forerun.config import check_dtype
+
+    listed = [check_dtype(d.strip()) for d in text.split(",") if d.strip()]
+    return [d for i, d in enumerate(listed) if d != "float32" and d not in listed[:i]]
+
+
+def _quality_text(files: list[str] | None) -> tuple[str, list[str]]:
+    """(the text, where it came from): the --text files concatenated, else the default sources."""
+    from forerun.bench.quality import default_text
+
+    if not files:
+        return default_text()
+    texts = []
+    for f in files:
+        try:
+            texts.append(Path(f).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ForerunError(f"--text {f}: {e}") from None
+    return "\n".join(texts), list(files)
+
+
+def _llama_run(bindir: str, model: str | None, threads: int):
+    """llama-perplexity's folder and the model's GGUF, checked before any scoring starts."""
+    from forerun.bench.quality import LlamaRun
+
+    if not (Path(bindir) / "llama-perplexity").is_file():
+        raise ForerunError(f"--llama-cpp-dir {bindir}: no llama-perplexity there")
+    gguf = gguf_for(model)
+    if gguf is None or not gguf.is_file():
+        raise ForerunError(f"--llama-cpp-dir: no GGUF file for {model!r} (use an embedded model or a .gguf --model)")
+    return LlamaRun(Path(bindir), gguf, threads)
