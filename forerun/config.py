@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from forerun.errors import ConfigError
 
-DTYPES = ("float32", "bfloat16", "int8", "int4", "float64")
+DTYPES = ("float32", "bfloat16", "int8", "int4", "float64", "gguf")
 ACCEPTANCE = ("exact", "typical_lossy")  # the lossy rule says so in its name
 
 

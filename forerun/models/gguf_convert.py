@@ -63,11 +63,14 @@ _CONTROL, _USER_DEFINED = 3, 4
 _SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 
-def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True, weights: bool = True) -> Path:
     """Write `out_dir` as a HF folder holding the GGUF's model and tokenizer; return it.
 
     The folder appears whole or not at all (written beside it, then renamed), so a crash or a
-    concurrent conversion never leaves a half-written model that looks complete.
+    concurrent conversion never leaves a half-written model that looks complete. It records
+    which GGUF it came from (dtype "gguf" computes with that file's blocks); with
+    weights=False the float32 weights are left out, to be written by write_weights the first
+    time a float precision needs them.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
@@ -77,20 +80,43 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
     tokenizer = build_tokenizer(meta, gguf_path)  # before the slow part: fail fast on a bad vocab
     tokenizer_config = _tokenizer_config(meta)
     generation_config = _generation_config(meta)
-    tensors = _hf_state_dict(reader, arch, config, gguf_path, progress)
+    tensors = _hf_state_dict(reader, arch, config, gguf_path, progress) if weights else None
 
     def write(folder: Path) -> None:
         from safetensors.numpy import save_file
 
+        from forerun.models.gguf_native import write_source
+
+        write_source(folder, gguf_path)
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
         if generation_config:
             (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
         tokenizer.save(str(folder / "tokenizer.json"))
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if tensors is not None:
+            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
     _write_atomically(out_dir, write)
     return out_dir
+
+
+def write_weights(folder: Path, gguf_path: Path, progress: bool = True) -> None:
+    """Add the float32 weights to a folder convert_gguf_to_hf wrote without them (written
+    beside, then renamed into place: a crash never leaves a partial file)."""
+    from safetensors.numpy import save_file
+
+    reader = _open_reader(gguf_path)
+    meta = _read_metadata(reader, gguf_path)
+    arch = _architecture(meta, gguf_path)
+    config = arch.config(meta, reader, gguf_path)
+    tensors = _hf_state_dict(reader, arch, config, gguf_path, progress)
+    scratch = folder / f".model.safetensors.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        save_file(tensors, str(scratch), metadata={"format": "pt"})
+        os.chmod(scratch, 0o644)
+        os.replace(scratch, folder / "model.safetensors")
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 # --- reading -----------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_rows.cpp")
-SOURCES = [SOURCE] + [Path(__file__).with_name(f) for f in ("f32_rows.cpp", "int4_rows.cpp", "attention_rows.cpp", "layer_rows.cpp")]
+SOURCES = [SOURCE] + [Path(__file__).with_name(f) for f in ("f32_rows.cpp", "int4_rows.cpp", "attention_rows.cpp", "layer_rows.cpp", "gguf_rows.cpp")]
 
 
 def cpu_flags_line() -> str | None:

@@ -248,6 +248,7 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
                         torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero,
                         int64_t M);  // int4_rows.cpp
 void bind_layer_rows(pybind11::module& m);  // layer_rows.cpp
+void bind_gguf_rows(pybind11::module& m);   // gguf_rows.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
@@ -259,4 +260,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
   bind_layer_rows(m);
+  bind_gguf_rows(m);
 }

@@ -48,7 +48,7 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "converted" / f"{path.stem}-{key}"
     if not (out / "config.json").exists():
-        convert_gguf_to_hf(path, out, progress=progress)
+        convert_gguf_to_hf(path, out, progress=progress, weights=False)  # float32 weights: on first use
     return out
 
 
@@ -84,12 +84,30 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _ensure_float_weights(folder: Path) -> None:
+    """A converted GGUF folder holds no float32 weights until a float precision first needs them."""
+    from forerun.models.gguf_convert import write_weights
+    from forerun.models.gguf_native import source_of
+
+    source = source_of(folder)
+    if source is not None and not any(folder.glob("*.safetensors")):
+        import sys
+
+        print(f"forerun: dequantizing {source.name} to float32 once (dtype gguf needs no copy)", file=sys.stderr, flush=True)
+        write_weights(folder, source)
+
+
 def load_model(folder: Path, dtype: str = "float32", device: str | torch.device = "cpu") -> torch.nn.Module:
     """The decoder class MODEL_CLASSES names for the folder's config.json, loaded and finished."""
     check_dtype(dtype)
+    if dtype == "gguf":  # the file's own blocks (models/gguf_native.py)
+        from forerun.models.gguf_native import load_native
+
+        return load_native(folder, device)
     cfg = ModelConfig.from_file(folder / "config.json")
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.model_type](cfg)
+    _ensure_float_weights(folder)
     state = read_state_dict(folder)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -115,7 +133,7 @@ def load_model(folder: Path, dtype: str = "float32", device: str | torch.device 
 def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
     """Tie, place, quantise; the common tail of every way of building a model."""
     cfg = model.config
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and dtype != "gguf":  # (gguf: the head already reads the embedding's blocks)
         model.lm_head.weight = model.model.embed_tokens.weight
     # Built on the meta device, the RoPE buffers hold no data yet: compute them here.
     if isinstance(model, LlamaForCausalLM):

@@ -1,0 +1,292 @@
+"""dtype "gguf": a model that computes with its GGUF file's own quantized blocks.
+
+Why: every other precision changes the weights the user downloaded. float32 dequantizes the
+file exactly but streams 4-8x the bytes; int8 / int4 re-quantize weights that were already
+quantized (Qwen2.5-Coder-1.5B Q4_K_M: +1.7% / +4.6% perplexity). Here every linear keeps the
+file's blocks byte for byte (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; ggml's layouts,
+gguf_rows.cpp) and the activations are quantized per block of the weight's width, as
+llama.cpp does: the model llama.cpp runs, at its fidelity.
+
+Weights are read once from the mapped file into memory (rows of a llama q/k projection put
+back in Hugging Face's RoPE order: a reordering of whole rows, the bytes unchanged). The
+embedding table is read from its blocks too, one looked-up row at a time. Tensors of other
+types (float norms and biases, a float or unsupported-type matrix) are dequantized to
+float32 exactly as the float32 path does. Each token's output is one instruction sequence
+whatever else is computed beside it, so `gguf` speculative decoding reproduces `gguf` plain
+decoding bit for bit (tests/test_gguf_native.py).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from forerun.errors import ModelLoadError
+from forerun.models import int8_kernel
+
+# ggml type ids (gguf.GGMLQuantizationType) with a native kernel -> (values, bytes) per block.
+NATIVE_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+                12: (256, 144), 13: (256, 176), 14: (256, 210)}
+SOURCE_FILE = "forerun_gguf.json"  # in a converted folder: the GGUF it came from
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One quantized matrix as the file stores it: data [rows, bytes per row] uint8, the
+    blocks of each output row in input order; type a ggml type id in NATIVE_TYPES."""
+
+    data: torch.Tensor  # [rows, K / qk * bytes] uint8
+    type: int
+    in_features: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def select(self, ids: torch.Tensor) -> "Blocks":
+        return Blocks(self.data.index_select(0, ids.to(torch.long)).contiguous(), self.type, self.in_features)
+
+    def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(ids) or rows, K] float32: the values the kernel computes with (ggml's dequantization)."""
+        ids = torch.arange(self.rows) if ids is None else ids
+        return _kernel().gguf_dequant_rows(self.data, self.type, ids.to(torch.long), self.in_features)
+
+
+def _kernel():
+    kernel = int8_kernel.load()
+    if kernel is None or not hasattr(kernel, "gguf_rows"):
+        raise ModelLoadError("dtype 'gguf' needs forerun's compiled kernels, which are not available here "
+                             "(see the warning above; `make setup` builds them); use float32")
+    return kernel
+
+
+class GGUFLinear(nn.Module):
+    """nn.Linear's function over GGUF blocks: parts stacked along the outputs (a fused q/k/v
+    or gate/up may mix types, e.g. Q4_K q and k with a Q6_K v), one kernel call."""
+
+    def __init__(self, parts: list[Blocks], bias: torch.Tensor | None = None):
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("GGUFLinear: parts with different input widths")
+        self.parts = parts
+        self.in_features, self.out_features = parts[0].in_features, sum(p.rows for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self._bind()
+
+    def _bind(self):
+        self._rows = _kernel().gguf_rows
+        self._args = ([p.data for p in self.parts], [p.type for p in self.parts],
+                      self.bias.data if self.bias is not None else torch.empty(0))
+
+    def __getstate__(self):  # deepcopy / pickle: drop the compiled function...
+        return {**self.__dict__, "_rows": None, "_args": None}
+
+    def __setstate__(self, state):  # ...and find it again
+        super().__setstate__(state)
+        self._bind()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = self._rows(x if dtype == torch.float32 else x.float(), *self._args)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), in] float32 weights of the given output rows."""
+        out = torch.empty(len(ids), self.in_features)
+        start = 0
+        for p in self.parts:
+            mine = (ids >= start) & (ids < start + p.rows)
+            if mine.any():
+                out[mine] = p.dequantize(ids[mine] - start)
+            start += p.rows
+        return out
+
+    def select_rows(self, ids: torch.Tensor) -> "GGUFLinear":
+        """A GGUFLinear of the given output rows (the same blocks): a reduced LM head."""
+        if len(self.parts) != 1:
+            raise ValueError("select_rows: a single-part GGUFLinear only")
+        bias = None if self.bias is None else self.bias.data[ids]
+        return GGUFLinear([self.parts[0].select(ids)], bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in] float32, dequantized on demand (a copy: for building other models from this one)."""
+        return self.float_rows(torch.arange(self.out_features))
+
+    def extra_repr(self) -> str:
+        types = "+".join(_type_name(p.type) for p in self.parts)
+        return f"in={self.in_features}, out={self.out_features}, GGUF {types} blocks, forerun kernel"
+
+
+class GGUFEmbedding(nn.Module):
+    """nn.Embedding over GGUF blocks: each looked-up row dequantized exactly when looked up."""
+
+    def __init__(self, blocks: Blocks):
+        super().__init__()
+        self.blocks = blocks
+        self.num_embeddings, self.embedding_dim = blocks.rows, blocks.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        return self.blocks.dequantize(flat).view(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[rows, dim] float32, dequantized on demand (a copy)."""
+        return self.blocks.dequantize()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {_type_name(self.blocks.type)} blocks"
+
+
+def _type_name(t: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(t).name
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def write_source(folder: Path, gguf_path: Path) -> None:
+    """Record in a converted folder which GGUF it came from (load_native reads it)."""
+    (folder / SOURCE_FILE).write_text(json.dumps({"path": str(Path(gguf_path).resolve())}) + "\n")
+
+
+def source_of(folder: Path) -> Path | None:
+    """The GGUF a converted folder came from, or None (a HF folder, or a folder converted before
+    forerun recorded it)."""
+    try:
+        path = Path(json.loads((folder / SOURCE_FILE).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None
+
+
+def load_native(folder: Path, device="cpu") -> nn.Module:
+    """The model of `folder` (a converted GGUF folder: config.json, tokenizer) with every
+    linear on its GGUF file's own blocks."""
+    from forerun.models.config import ModelConfig
+    from forerun.models.gguf_convert import _architecture, _open_reader, _read_metadata
+    from forerun.models.llama import LlamaForCausalLM
+    from forerun.models.loader import MODEL_CLASSES, finish_model
+
+    if torch.device(device).type != "cpu":
+        raise ModelLoadError("dtype 'gguf' is a CPU path; use bfloat16 on an accelerator")
+    path = source_of(folder)
+    if path is None:
+        raise ModelLoadError(f"dtype 'gguf' needs a model loaded from a GGUF file; {folder} is not one "
+                             "(use float32, bfloat16, int8 or int4 for a Hugging Face folder)")
+    _kernel()
+    cfg = ModelConfig.from_file(folder / "config.json")
+    reader = _open_reader(path)
+    arch = _architecture(_read_metadata(reader, path), path)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.model_type](cfg)
+    tensors = _read_tensors(reader, arch, cfg, path)
+    _place(model, tensors, cfg, path)
+    model = finish_model(model, "gguf", device)
+    if isinstance(model, LlamaForCausalLM):  # per-query chain attention: a row's bits never depend on its batch-mates
+        model.use_chain_attention_kernel(_kernel())
+    return model
+
+
+def _read_tensors(reader, arch, cfg, path: Path) -> dict[str, Blocks | torch.Tensor]:
+    """HF name -> Blocks (a matrix of a native type) or a float32 tensor (everything else)."""
+    from forerun.models.gguf_convert import _dequantize, hf_tensor_name, unpermute_rope_rows
+
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    out: dict[str, Blocks | torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, arch.layer_names, arch.biased)
+        if name is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {cfg.model_type} model")
+        kind = tensor.name.split(".")[-2]
+        t = int(tensor.tensor_type)
+        if t in NATIVE_TYPES and len(tensor.shape) == 2:
+            K, rows = (int(n) for n in tensor.shape)  # GGUF lists dims fastest-first
+            qk, nbytes = NATIVE_TYPES[t]
+            data = np.asarray(tensor.data).reshape(rows, K // qk * nbytes)
+            if arch.rope_rows_permuted and kind in heads:
+                data = unpermute_rope_rows(data, heads[kind])
+            out[name] = Blocks(torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)), t, K)  # a copy: see load_model
+            continue
+        values = _dequantize(tensor, path)
+        if arch.rope_rows_permuted and kind in heads:
+            values = unpermute_rope_rows(values, heads[kind])
+        if arch.norm_shift and kind.endswith("norm"):
+            values = values - np.float32(arch.norm_shift)
+        out[name] = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+    return out
+
+
+def _place(model: nn.Module, tensors: dict, cfg, path: Path) -> None:
+    """Put every tensor where the model wants it: Blocks as GGUFLinear / GGUFEmbedding modules,
+    the q/k/v and gate/up parts stacked, float tensors as parameters."""
+    from forerun.models.llama import LlamaForCausalLM
+
+    fused = isinstance(model, LlamaForCausalLM)
+    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")} if fused else {}
+    used: set[str] = set()
+    for mod_name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            sources = next((tuple(mod_name[: -len(k)] + p for p in v) for k, v in groups.items() if mod_name.endswith(k)),
+                           (mod_name,))
+            if mod_name == "lm_head" and cfg.tie_word_embeddings:
+                sources = ("model.embed_tokens",)
+            _set(model, mod_name, _linear(tensors, sources, module, used, path))
+        elif isinstance(module, nn.Embedding):
+            _set(model, mod_name, _embedding(tensors, mod_name, module, used, path))
+    rest = {k: v for k, v in tensors.items() if k not in used}
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    missing = [m for m in missing if not m.endswith("inv_freq")]
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: tensors do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _linear(tensors: dict, sources: tuple[str, ...], module: nn.Linear, used: set, path: Path) -> nn.Module:
+    weights = [tensors.get(f"{s}.weight") for s in sources]
+    if any(w is None for w in weights):
+        raise ModelLoadError(f"{path}: GGUF lacks {[s for s, w in zip(sources, weights) if w is None][0]}.weight")
+    biases = [tensors.get(f"{s}.bias") for s in sources]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    used.update(f"{s}.{k}" for s in sources for k in ("weight", "bias"))
+    if all(isinstance(w, Blocks) for w in weights):
+        linear = GGUFLinear(weights, bias)
+    else:  # a float (or unsupported-type) part: this linear computes in float32, exactly
+        from forerun.models.f32_linear import F32RowsLinear
+
+        full = torch.cat([w.dequantize() if isinstance(w, Blocks) else w for w in weights])
+        plain = nn.Linear(full.shape[1], full.shape[0], bias=bias is not None, device="meta")
+        plain.weight = nn.Parameter(full, requires_grad=False)
+        if bias is not None:
+            plain.bias = nn.Parameter(bias, requires_grad=False)
+        linear = F32RowsLinear(plain, _kernel())
+    if (linear.out_features, linear.in_features) != (module.out_features, module.in_features):
+        raise ModelLoadError(f"{path}: {sources[0]} is {linear.out_features} x {linear.in_features}, the config says "
+                             f"{module.out_features} x {module.in_features}")
+    return linear
+
+
+def _embedding(tensors: dict, name: str, module: nn.Embedding, used: set, path: Path) -> nn.Module:
+    w = tensors.get(f"{name}.weight")
+    if w is None:
+        raise ModelLoadError(f"{path}: GGUF lacks {name}.weight")
+    used.add(f"{name}.weight")
+    if isinstance(w, Blocks):
+        return GGUFEmbedding(w)
+    emb = nn.Embedding(w.shape[0], w.shape[1], device="meta")
+    emb.weight = nn.Parameter(w, requires_grad=False)
+    return emb
+
+
+def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, leaf = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)

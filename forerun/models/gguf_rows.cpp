@@ -1,0 +1,517 @@
+// Linears over a GGUF file's own quantized blocks (dtype "gguf"): the bytes as stored, never
+// re-quantized or dequantized into a copy. The block layouts are ggml's published ones:
+//   Q4_0  32 values, 18 B: f16 d, 16 B nibbles           w = d * (q - 8)
+//   Q4_1  32 values, 20 B: f16 d, f16 m, 16 B nibbles    w = d * q + m
+//   Q5_0  32 values, 22 B: f16 d, u32 high bits, 16 B     w = d * (q - 16)
+//   Q5_1  32 values, 24 B: f16 d, f16 m, u32, 16 B        w = d * q + m
+//   Q8_0  32 values, 34 B: f16 d, 32 int8                 w = d * q
+//   Q4_K 256 values, 144 B: f16 d, f16 dmin, 12 B of 6-bit scale / min pairs (8 sub-blocks of
+//        32), 128 B nibbles                              w = d * sc * q - dmin * m
+//   Q5_K 256 values, 176 B: as Q4_K + 32 B of fifth bits
+//   Q6_K 256 values, 210 B: 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales (per
+//        16 values), f16 d                              w = d * sc * (q - 32)
+// (Element order within a block: ggml's, e.g. Q4_K's 64-value chunk c holds values 64c..64c+31
+// in the low nibbles of its 32 bytes and 64c+32..64c+63 in the high ones.)
+//
+// Every block type is first decoded into one shape: an unsigned integer q per value (the
+// stored one; Q8_0's signed byte as is), an integer scale sc and min mn per 16 values, and
+// two floats per block, so that  w = (d * sc) * q - (dmin * mn)  exactly (gguf_dequant_rows).
+//
+// Activations: each token's row is quantized per block of the weight's width (32 values
+// for the legacy types, 256 for the K types, as llama.cpp's Q8_0 / Q8_K): a = da * qa, qa
+// int8 in [-127, 127], da = max|x| / 127, and the sums of qa per 16 values. Then per block:
+//   dot = (d * da) * sum_s sc_s * (sum_{i in s} q_i qa_i)  -  (dmin * da) * sum_s mn_s * bsum_s
+// The integer parts are exact (AVX2: maddubs + madd); the float parts are accumulated in
+// one fixed order per (row, token). A row's weights are decoded once per forward and every
+// token then runs the same instruction sequence whatever its batch-mates: one kernel serves
+// decoding, verification and prefill, and a token's output never depends on how many
+// tokens were scored beside it (batch invariance, tests/test_gguf_native.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+
+struct Layout {
+  int64_t qk, bytes;  // values per block, bytes per block
+};
+
+Layout layout_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// One decoded block: q[qk], sc and mn per 16 values; returns {d, dmin}.
+struct Scales {
+  float d, dmin;
+};
+
+inline void nibbles32(const uint8_t* qs, uint8_t* q) {  // 16 bytes -> 32 values (low nibbles first)
+  for (int i = 0; i < 16; ++i) {
+    q[i] = qs[i] & 15;
+    q[i + 16] = qs[i] >> 4;
+  }
+}
+
+inline void fifth_bits32(const uint8_t* qh_bytes, uint8_t* q) {  // Q5_0 / Q5_1: bit i of the u32 is value i's
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  for (int i = 0; i < 32; ++i) q[i] |= ((qh >> i) & 1) << 4;
+}
+
+inline void k_scale_min(const uint8_t* s, int j, int16_t& sc, int16_t& mn) {  // Q4_K / Q5_K 6-bit pairs
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+__attribute__((always_inline)) inline Scales decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc, int16_t* mn) {
+  switch (type) {
+    case Q4_0:
+    case Q5_0: {
+      const bool five = type == Q5_0;
+      nibbles32(p + (five ? 6 : 2), q);
+      if (five) fifth_bits32(p + 2, q);
+      const float d = f16(p);
+      sc[0] = sc[1] = 1;
+      mn[0] = mn[1] = five ? 16 : 8;
+      return {d, d};
+    }
+    case Q4_1:
+    case Q5_1: {
+      const bool five = type == Q5_1;
+      nibbles32(p + (five ? 8 : 4), q);
+      if (five) fifth_bits32(p + 4, q);
+      sc[0] = sc[1] = 1;
+      mn[0] = mn[1] = 1;
+      return {f16(p), -f16(p + 2)};
+    }
+    case Q8_0:
+      std::memcpy(q, p + 2, 32);
+      sc[0] = sc[1] = 1;
+      mn[0] = mn[1] = 0;
+      return {f16(p), 0.f};
+    case Q4_K:
+    case Q5_K: {
+      const bool five = type == Q5_K;
+      const uint8_t* qs = p + (five ? 48 : 16);
+      const uint8_t* qh = p + 16;
+      for (int c = 0; c < 4; ++c) {
+        for (int l = 0; l < 32; ++l) {
+          uint8_t lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+          if (five) {
+            lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+            hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+          }
+          q[64 * c + l] = lo;
+          q[64 * c + 32 + l] = hi;
+        }
+      }
+      for (int j = 0; j < 8; ++j) {
+        int16_t s, m;
+        k_scale_min(p + 4, j, s, m);
+        sc[2 * j] = sc[2 * j + 1] = s;
+        mn[2 * j] = mn[2 * j + 1] = m;
+      }
+      return {f16(p), f16(p + 2)};
+    }
+    case Q6_K: {
+      const uint8_t *ql = p, *qh = p + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+      for (int h = 0; h < 2; ++h) {
+        for (int e = 0; e < 128; ++e) {
+          const uint8_t lo = e < 64 ? (ql[64 * h + e] & 15) : (ql[64 * h + e - 64] >> 4);
+          const uint8_t hi = (qh[32 * h + e % 32] >> (2 * (e / 32))) & 3;
+          q[128 * h + e] = lo | (hi << 4);
+        }
+      }
+      for (int s = 0; s < 16; ++s) {
+        sc[s] = scales[s];
+        mn[s] = static_cast<int16_t>(32 * scales[s]);
+      }
+      const float d = f16(p + 208);
+      return {d, d};
+    }
+  }
+  TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+}
+
+#if defined(__AVX2__)
+// The same decoding with AVX2 (the scalar decode_block is the definition; the tests compare
+// both through gguf_dequant_rows against gguf's reference).
+inline __m256i nibbles32_avx2(const uint8_t* qs) {  // 16 bytes -> 32 values, low nibbles first
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+inline __m256i bits32_avx2(const uint8_t* qh_bytes) {  // bit i of the u32 -> 16 in byte i, else 0
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// Writes q[qk] (the scalar decode's values); sc / mn / {d, dmin} still come from decode_block's
+// scalar part, which is cheap beside the values.
+__attribute__((always_inline)) inline bool decode_values_avx2(int64_t type, const uint8_t* p, uint8_t* q) {
+  auto store = [](uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); };
+  const __m256i m4 = _mm256_set1_epi8(15);
+  switch (type) {
+    case Q4_0: store(q, nibbles32_avx2(p + 2)); return true;
+    case Q4_1: store(q, nibbles32_avx2(p + 4)); return true;
+    case Q5_0: store(q, _mm256_or_si256(nibbles32_avx2(p + 6), bits32_avx2(p + 2))); return true;
+    case Q5_1: store(q, _mm256_or_si256(nibbles32_avx2(p + 8), bits32_avx2(p + 4))); return true;
+    case Q8_0: store(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2))); return true;
+    case Q4_K:
+    case Q5_K: {
+      const bool five = type == Q5_K;
+      const uint8_t* qs = p + (five ? 48 : 16);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (five) {
+          const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c))), b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
+          const __m256i sixteen = _mm256_set1_epi8(16);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+        }
+        store(q + 64 * c, lo);
+        store(q + 64 * c + 32, hi);
+      }
+      return true;
+    }
+    case Q6_K: {
+      const __m256i m2 = _mm256_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+        uint8_t* o = q + 128 * h;
+        store(o, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2)));
+        store(o + 32, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2)));
+        store(o + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2)));
+        store(o + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                      _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2)));
+      }
+      return true;
+    }
+  }
+  return false;
+}
+#endif
+
+// Scale / min / {d, dmin} part of decode_block, without the values.
+__attribute__((always_inline)) inline Scales decode_scales(int64_t type, const uint8_t* p, int16_t* sc, int16_t* mn) {
+  switch (type) {
+    case Q4_0: case Q5_0: sc[0] = sc[1] = 1; mn[0] = mn[1] = type == Q5_0 ? 16 : 8; return {f16(p), f16(p)};
+    case Q4_1: case Q5_1: sc[0] = sc[1] = 1; mn[0] = mn[1] = 1; return {f16(p), -f16(p + 2)};
+    case Q8_0: sc[0] = sc[1] = 1; mn[0] = mn[1] = 0; return {f16(p), 0.f};
+    case Q4_K: case Q5_K: {  // k_scale_min for all 8 pairs at once, 4 bytes a word
+      uint32_t u[3];
+      std::memcpy(u, p + 4, 12);
+      const uint32_t sc_words[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)};
+      const uint32_t mn_words[2] = {u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
+      uint64_t sc8, mn8;
+      std::memcpy(&sc8, sc_words, 8);
+      std::memcpy(&mn8, mn_words, 8);
+#if defined(__AVX2__)
+      const __m128i s16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc8)));
+      const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_set_m128i(_mm_unpackhi_epi16(s16, s16), _mm_unpacklo_epi16(s16, s16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn), _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16)));
+#else
+      for (int j = 0; j < 8; ++j) {
+        sc[2 * j] = sc[2 * j + 1] = (sc8 >> (8 * j)) & 255;
+        mn[2 * j] = mn[2 * j + 1] = (mn8 >> (8 * j)) & 255;
+      }
+#endif
+      return {f16(p), f16(p + 2)};
+    }
+    case Q6_K: {
+      const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+      for (int s = 0; s < 16; ++s) {
+        sc[s] = scales[s];
+        mn[s] = static_cast<int16_t>(32 * scales[s]);
+      }
+      const float d = f16(p + 208);
+      return {d, d};
+    }
+  }
+  TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+}
+
+// Quantized activations of N tokens for blocks of qk: qa [N, K], da [N, K/qk], bsum [N, K/16].
+struct Acts {
+  int64_t qk = 0;
+  std::vector<int8_t> qa;
+  std::vector<float> da;
+  std::vector<int16_t> bsum;
+};
+
+Acts quantize_acts(const float* x, int64_t N, int64_t K, int64_t qk) {
+  Acts a;
+  a.qk = qk;
+  a.qa.resize(N * K);
+  a.da.resize(N * (K / qk));
+  a.bsum.resize(N * (K / 16));
+  at::parallel_for(0, N, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xt = x + t * K;
+      int8_t* q = &a.qa[t * K];
+      for (int64_t b = 0; b < K / qk; ++b) {
+        float amax = 0.f;
+        for (int64_t i = b * qk; i < (b + 1) * qk; ++i) amax = std::max(amax, std::fabs(xt[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = b * qk; i < (b + 1) * qk; ++i) {
+          const float v = std::nearbyint(xt[i] * inv);
+          q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        }
+        a.da[t * (K / qk) + b] = amax / 127.f;
+      }
+      for (int64_t s = 0; s < K / 16; ++s) {
+        int sum = 0;
+        for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
+        a.bsum[t * (K / 16) + s] = static_cast<int16_t>(sum);
+      }
+    }
+  });
+  return a;
+}
+
+// One block decoded for the dot products: its values, and per 32 values the 16 int16 lane
+// scales of maddubs's pairs ([sc of values 0-15] x 8, [sc of 16-31] x 8).
+struct Block {
+  alignas(32) uint8_t q[256];
+  alignas(32) int16_t scv[128];
+  alignas(32) int16_t sc[16], mn[16];
+  float d, dmin;
+
+  __attribute__((always_inline)) void decode(int64_t type, const uint8_t* p, int64_t qk, bool vector) {
+    Scales s;
+#if defined(__AVX2__)
+    if (vector && decode_values_avx2(type, p, q))
+      s = decode_scales(type, p, sc, mn);
+    else
+#endif
+      s = decode_block(type, p, q, sc, mn);
+    d = s.d;
+    dmin = s.dmin;
+    if (type != Q6_K) return;  // scale 1, or one per 32 values: the dot broadcasts it
+#if defined(__AVX2__)
+    for (int g = 0; g < 16; g += 2)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(scv + 8 * g),
+                         _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g])));
+#else
+    for (int i = 0; i < 128; ++i) scv[i] = sc[i / 8];
+#endif
+  }
+};
+
+// Per (row, token): the running sums of the scale part and of the min part.
+#if defined(__AVX2__)
+struct Sums {
+  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  float macc1 = 0.f;  // the legacy types' min part (one integer per block)
+};
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// Adds block b's part of one token's dot product; the same instructions for every token.
+template <int64_t QK, bool SIGNED, bool PER16>
+inline void block_dot(const Block& w, const int8_t* qa, float da, const int16_t* bsum, Sums& s) {
+  __m256i isum = _mm256_setzero_si256();
+  for (int64_t o = 0; o < QK; o += 32) {
+    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.q + o));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + o));
+    const __m256i p = SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v)) : _mm256_maddubs_epi16(v, x);
+    const __m256i sv = QK == 32 ? _mm256_set1_epi16(1)
+                       : PER16 ? _mm256_load_si256(reinterpret_cast<const __m256i*>(w.scv + o / 2))
+                               : _mm256_set1_epi16(w.sc[o / 16]);
+    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sv));
+  }
+  s.acc = _mm256_add_ps(s.acc, _mm256_mul_ps(_mm256_set1_ps(w.d * da), _mm256_cvtepi32_ps(isum)));
+  if (SIGNED) return;
+  if (QK == 32) {
+    s.macc1 += (w.dmin * da) * float(int32_t(w.mn[0]) * (int32_t(bsum[0]) + int32_t(bsum[1])));
+  } else {
+    const __m256i m = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(w.mn)),
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum)));
+    s.macc = _mm256_add_ps(s.macc, _mm256_mul_ps(_mm256_set1_ps(w.dmin * da), _mm256_cvtepi32_ps(m)));
+  }
+}
+
+inline float finish(const Sums& s) { return hsum(s.acc) - (hsum(s.macc) + s.macc1); }
+#else
+struct Sums {
+  float acc = 0.f, macc = 0.f;
+};
+
+template <int64_t QK, bool SIGNED, bool PER16>
+inline void block_dot(const Block& w, const int8_t* qa, float da, const int16_t* bsum, Sums& s) {
+  int32_t isum = 0, msum = 0;
+  for (int64_t g = 0; g < QK / 16; ++g) {
+    int32_t part = 0;
+    for (int64_t i = 16 * g; i < 16 * g + 16; ++i) part += (SIGNED ? int32_t(int8_t(w.q[i])) : int32_t(w.q[i])) * int32_t(qa[i]);
+    isum += int32_t(w.sc[g]) * part;
+    msum += int32_t(w.mn[g]) * int32_t(bsum[g]);
+  }
+  s.acc += (w.d * da) * float(isum);
+  if (!SIGNED) s.macc += (w.dmin * da) * float(msum);
+}
+
+inline float finish(const Sums& s) { return s.acc - s.macc; }
+#endif
+
+// One output row for every token: each block decoded once, then every token's part of it.
+template <int64_t TYPE>
+void row_dots(const uint8_t* row, int64_t K, const Acts& a, int64_t N, Block& w, Sums* sums) {
+  constexpr int64_t QK = TYPE >= Q4_K ? 256 : 32, BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22
+      : TYPE == Q5_1 ? 24 : TYPE == Q8_0 ? 34 : TYPE == Q4_K ? 144 : TYPE == Q5_K ? 176 : 210;
+  const int64_t nb = K / QK, ng = K / 16;
+  std::fill(sums, sums + N, Sums());
+  for (int64_t b = 0; b < nb; ++b) {
+    w.decode(TYPE, row + b * BYTES, QK, true);
+    for (int64_t t = 0; t < N; ++t)
+      block_dot<QK, TYPE == Q8_0, TYPE == Q6_K>(w, &a.qa[t * K + b * QK], a.da[t * nb + b],
+                                                &a.bsum[t * ng + b * QK / 16], sums[t]);
+  }
+}
+
+}  // namespace
+
+// x [..., K] float32; parts: uint8 [rows_i, K / qk_i * bytes_i] of block types types[i]; the
+// output [..., sum rows_i] holds the parts' rows in order (+ bias [sum rows_i] when given).
+torch::Tensor gguf_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
+                        torch::Tensor bias) {
+  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "gguf_rows: one type per part");
+  const auto x = x_in.to(torch::kFloat32).contiguous();
+  const int64_t K = x.size(-1), N = x.numel() / K;
+  std::vector<int64_t> first{0};
+  std::vector<Layout> layouts;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Layout L = layout_of(types[i]);
+    TORCH_CHECK(K % L.qk == 0, "gguf_rows: ", K, " inputs is not a whole number of blocks of ", L.qk);
+    TORCH_CHECK(parts[i].dtype() == torch::kUInt8 && parts[i].is_contiguous() && parts[i].dim() == 2 &&
+                    parts[i].size(1) == K / L.qk * L.bytes,
+                "gguf_rows: part ", i, " is not [rows, ", K / L.qk * L.bytes, "] contiguous uint8");
+    layouts.push_back(L);
+    first.push_back(first.back() + parts[i].size(0));
+  }
+  const int64_t M = first.back();
+  TORCH_CHECK(!bias.defined() || bias.numel() == 0 || bias.numel() == M, "gguf_rows: bias has ", bias.numel(), " values, expected ", M);
+  const float* bp = bias.defined() && bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
+  Acts a32, a256;
+  for (const Layout& L : layouts) {
+    Acts& a = L.qk == 32 ? a32 : a256;
+    if (a.qk == 0) a = quantize_acts(x.data_ptr<float>(), N, K, L.qk);
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = M;
+  auto out = torch::empty(sizes, x.options());
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    Block w;
+    std::vector<Sums> sums(N);
+    for (int64_t r = r0; r < r1; ++r) {
+      const size_t i = std::upper_bound(first.begin(), first.end(), r) - first.begin() - 1;
+      const Layout L = layouts[i];
+      const uint8_t* src = parts[i].data_ptr<uint8_t>() + (r - first[i]) * parts[i].size(1);
+      const Acts& a = L.qk == 32 ? a32 : a256;
+      switch (types[i]) {
+        case Q4_0: row_dots<Q4_0>(src, K, a, N, w, sums.data()); break;
+        case Q4_1: row_dots<Q4_1>(src, K, a, N, w, sums.data()); break;
+        case Q5_0: row_dots<Q5_0>(src, K, a, N, w, sums.data()); break;
+        case Q5_1: row_dots<Q5_1>(src, K, a, N, w, sums.data()); break;
+        case Q8_0: row_dots<Q8_0>(src, K, a, N, w, sums.data()); break;
+        case Q4_K: row_dots<Q4_K>(src, K, a, N, w, sums.data()); break;
+        case Q5_K: row_dots<Q5_K>(src, K, a, N, w, sums.data()); break;
+        default: row_dots<Q6_K>(src, K, a, N, w, sums.data()); break;
+      }
+      for (int64_t t = 0; t < N; ++t) {
+        const float v = finish(sums[t]);
+        y[t * M + r] = bp ? v + bp[r] : v;
+      }
+    }
+  });
+  return out;
+}
+
+// w [rows, bytes] of block type `type`, ids [n] -> [n, K] float32: the values the kernel
+// computes with, (d * sc) * q - (dmin * mn) per value (ggml's dequantization, exactly).
+torch::Tensor gguf_dequant_rows(torch::Tensor w, int64_t type, torch::Tensor ids, int64_t K, bool vector) {
+  const Layout L = layout_of(type);
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.size(1) == K / L.qk * L.bytes,
+              "gguf_dequant_rows: w is not [rows, ", K / L.qk * L.bytes, "] contiguous uint8");
+  const auto idx = ids.to(torch::kInt64).contiguous();
+  const int64_t n = idx.numel(), rows = w.size(0);
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < rows, "gguf_dequant_rows: id ", ip[j], " out of range");
+  const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
+    Block blk;
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t b = 0; b < K / L.qk; ++b) {
+        blk.decode(type, base + ip[j] * w.size(1) + b * L.bytes, L.qk, vector);
+        float* o = op + j * K + b * L.qk;
+        for (int64_t i = 0; i < L.qk; ++i) {
+          const float ds = blk.d * float(blk.sc[i / 16]);
+          if (type == Q8_0)
+            o[i] = ds * float(int8_t(blk.q[i]));
+          else if (offset)  // d * (q - offset): the order ggml's reference uses (the same bits)
+            o[i] = ds * float(int(blk.q[i]) - offset);
+          else
+            o[i] = ds * float(blk.q[i]) - blk.dmin * float(blk.mn[i / 16]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+void bind_gguf_rows(pybind11::module& m) {
+  m.def("gguf_rows", &gguf_rows, "linear over a GGUF file's quantized blocks, batch-invariant");
+  m.def("gguf_dequant_rows", &gguf_dequant_rows, "rows of a GGUF quantized tensor as the kernel computes with them",
+        pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("ids"), pybind11::arg("K"), pybind11::arg("vector") = true);
+}
