@@ -235,19 +235,27 @@ def test_gguf_logits_follow_the_float32_model_of_the_same_file(tiny_gguf, verifi
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "tree"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_vocab", "tree"])
 def test_gguf_speculative_equals_gguf_plain(tiny_gguf, verifier, plain, method):
     if method == "ngram":
         spec = SpeculativeConfig("ngram", 4, ngram_max=3)
-    elif method == "draft_model":  # a different random GGUF drafter: many partial accepts
+    elif method in ("draft_model", "draft_vocab"):  # a different random GGUF drafter: many partial accepts
         other = tiny_gguf.with_name("drafter-q.gguf")
-        write_quantized_gguf(other, seed=7)
-        spec = SpeculativeConfig("draft_model", 4, draft_model=LLM(str(other), dtype="gguf", progress=False))
+        if not other.exists():
+            write_quantized_gguf(other, seed=7)
+        drafter = LLM(str(other), dtype="gguf", progress=False)
+        options = {"draft_vocab": 40} if method == "draft_vocab" else {}  # the head cut to its kept rows' blocks
+        spec = SpeculativeConfig("draft_model", 4, draft_model=drafter, options=options)
     else:  # n-gram token trees: masked attention over branches
         spec = SpeculativeConfig("ngram", 4, ngram_max=3, ngram_branches=3)
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
     assert [o.token_ids for o in outs] == plain
     assert merge([o.stats for o in outs]).drafted > 0
+
+
+def test_a_quantized_self_draft_of_a_gguf_verifier_is_refused(verifier):
+    with pytest.raises(Exception, match="GGUF"):
+        verifier.generate(PROMPTS, GREEDY, speculative=SpeculativeConfig("quantized", 4, quant_bits=4))
 
 
 def test_gguf_batched_equals_one_by_one_with_long_prompts(verifier):

@@ -40,6 +40,8 @@ def float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     linear), reading only those rows (context ids change during a generation)."""
     if hasattr(head, "weight_int8"):
         return head.weight_int8[ids].float() * head.weight_scale[ids, None]
+    if hasattr(head, "float_rows"):  # a GGUF linear: those rows' blocks, dequantized
+        return head.float_rows(ids)
     if hasattr(head, "u4_rows"):
         from forerun.models.quant4 import dequantize_groups
 
@@ -56,10 +58,13 @@ class ReducedHead(nn.Module):
 
     def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int, dtype: str):
         super().__init__()
-        rows = float_rows(head, ids)  # [n, hidden]
-        sub = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-        sub.weight = nn.Parameter(rows, requires_grad=False)
-        self.head = _like(sub, dtype)
+        if dtype == "gguf" and hasattr(head, "select_rows"):  # the kept rows' own blocks, as the file stores them
+            self.head = head.select_rows(ids)
+        else:
+            rows = float_rows(head, ids)  # [n, hidden]
+            sub = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            sub.weight = nn.Parameter(rows, requires_grad=False)
+            self.head = _like(sub, dtype)
         self.register_buffer("ids", ids, persistent=False)
         self.vocab_size = vocab_size
         self.kept = set(ids.tolist())

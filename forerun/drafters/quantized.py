@@ -38,6 +38,9 @@ def quantized_copy(model, bits: int = 8):
 @register("quantized")
 def _make(spec, verifier, **_) -> DraftModelDrafter:
     bits = int(spec.quant_bits)
+    if verifier.dtype == "gguf":
+        raise ConfigError("the verifier already computes with its GGUF file's quantized blocks: an int8 / int4 self-draft "
+                          "would cost about what it costs; use draft_model (e.g. a smaller GGUF), ngram or lookahead")
     if verifier.dtype == BITS_DTYPE.get(bits) or (verifier.dtype == "int4" and bits == 8):
         raise ConfigError(f"the verifier already runs at {verifier.dtype}: a {BITS_DTYPE.get(bits)} self-draft would be "
                           "the verifier itself or dearer; use a float32 verifier (or int8 with quant_bits 4), or another method")
