@@ -33,7 +33,8 @@ def _k_arg(text: str):
 
 def _common(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help=MODELS)
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="verifier precision")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="verifier precision; auto: gguf (the file's own quantized blocks) for a quantized GGUF model, else float32")
     p.add_argument("--method", default="ngram",
                    help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead, "
                         "medusa, eagle, dflash (trained heads: --draft-model DIR from `forerun train`); none = plain")
@@ -42,7 +43,7 @@ def _common(p: argparse.ArgumentParser):
     p.add_argument("--k-max", type=int, default=8, help="the longest draft under --k auto")
     p.add_argument("--draft-model", default=None,
                    help="draft model for --method draft_model (same forms as --model); the head folder for medusa / eagle / dflash")
-    p.add_argument("--draft-dtype", default=None, choices=DTYPES, help="draft model's precision (default: the verifier's)")
+    p.add_argument("--draft-dtype", default=None, choices=DTYPES, help="draft model's precision (default: the verifier's; a gguf verifier's drafter: auto)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(c)
     t = sub.add_parser("tune-skip", formatter_class=fmt, help="search which layers the layer_skip drafter skips; saves a profile")
     t.add_argument("--model", default=None, help=MODELS)
-    t.add_argument("--dtype", default="float32", choices=DTYPES, help="verifier precision")
+    t.add_argument("--dtype", default="auto", choices=DTYPES, help="verifier precision (auto: gguf for a quantized GGUF model, else float32)")
     t.add_argument("--prompts", default="vicuna", help="calibration prompts (Spec-Bench overlaps are left out)")
     t.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
     t.add_argument("--limit", type=int, default=4, help="calibration prompts used")

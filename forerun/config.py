@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 from forerun.errors import ConfigError
 
-DTYPES = ("float32", "bfloat16", "int8", "int4", "float64", "gguf")
+DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "float64", "gguf")
+# "auto": gguf (the file's own quantized blocks) for a model loaded from a quantized GGUF on the
+# CPU, else float32 (models.loader.resolve_dtype).
 ACCEPTANCE = ("exact", "typical_lossy")  # the lossy rule says so in its name
 
 

@@ -41,7 +41,7 @@ class LLM:
     def __init__(
         self,
         model=None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         speculative: SpeculativeConfig | None = None,
         tokenizer=None,
         device: str = "cpu",
@@ -51,14 +51,16 @@ class LLM:
         if isinstance(model, torch.nn.Module):  # an already built forerun decoder
             self.model, self.tokenizer = model, tokenizer  # dtype then only labels its precision
             self.source, self.name = None, "in-memory"
+            self.dtype = "float32" if dtype == "auto" else dtype
         else:
-            from forerun.models.loader import load_model, resolve_model_dir
+            from forerun.models.loader import load_model, resolve_dtype, resolve_model_dir
             from forerun.tokenizer import Tokenizer
 
             folder = resolve_model_dir(model, progress=progress)
             self.source, self.name = folder, folder.name
             self.tokenizer = tokenizer or Tokenizer.from_pretrained(folder)
-            self.model = load_model(folder, dtype, device)
+            self.dtype = resolve_dtype(dtype, folder, device)  # "auto": gguf for a quantized GGUF, else float32
+            self.model = load_model(folder, self.dtype, device)
         self.speculative = speculative
         self._drafter_cache: tuple[SpeculativeConfig, Drafter] | None = None
         self._cost_curves: dict[int, tuple[list[float], float]] = {}  # k_max -> (verify cost [k_max + 1], 1-token s)

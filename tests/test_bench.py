@@ -231,7 +231,7 @@ def test_transformers_peers_include_early_exit_with_same_tokens(embedded_dir):
     forerun's plain tokens (float32, same weights)."""
     from forerun.bench.peers import PeerSetup, run_peers
 
-    verifier = LLM(model=str(embedded_dir), progress=False)
+    verifier = LLM(model=str(embedded_dir), dtype="float32", progress=False)
     ids = verifier.encode([verifier.apply_chat_template([{"role": "user", "content": "Say: red blue red blue"}])])[0]
     peers = run_peers(verifier, ["transformers"], PeerSetup([ids], [""], 8, 3, exit_layer=10))
     rows = {r["engine"]: r for r in peers["rows"]}

@@ -19,7 +19,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 @pytest.fixture(scope="module")
 def llm(embedded_dir):
+    """The default precision: gguf, the file's own Q4_1 / Q8_0 blocks."""
     return LLM(model=str(embedded_dir), progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm_f32(embedded_dir):
+    """float32: the file's weights dequantized exactly."""
+    return LLM(model=str(embedded_dir), dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +39,18 @@ def plain(llm, prompts):
     return [llm.generate(p, GREEDY, speculative=None)[0].token_ids for p in prompts]
 
 
-def test_logits_match_transformers(llm, embedded_gguf, prompts):
+def test_the_default_precision_is_the_files_own_blocks(llm, llm_f32, prompts):
+    """gguf by default; against float32 (the same weights, float activations) its per-token KL
+    stays small and its argmax agrees almost everywhere."""
+    assert llm.dtype == "gguf" and llm_f32.dtype == "float32"
+    ids = llm.encode([prompts[0]])[0]
+    a, b = llm.model.score(ids).log_softmax(-1), llm_f32.model.score(ids).log_softmax(-1)
+    kl = (b.exp() * (b - a)).sum(-1)
+    assert kl.mean() < 0.02 and (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_logits_match_transformers(llm_f32, embedded_gguf, prompts):
+    llm = llm_f32
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(embedded_gguf.parent), gguf_file=embedded_gguf.name, dtype=torch.float32
@@ -52,9 +70,9 @@ def test_ngram_greedy_identity(llm, prompts, plain, k):
     assert sum(o.stats.accepted for o in outs) > 0
 
 
-def test_draft_model_greedy_identity(llm, prompts, plain):
-    """A truncated copy of the verifier (first 8 of 30 layers) drafts; no speed claim."""
-    draft = LLM(truncated_copy(llm.model, 8), tokenizer=llm.tokenizer)
+def test_draft_model_greedy_identity(llm, llm_f32, prompts, plain):
+    """A truncated float32 copy of the verifier (first 8 of 30 layers) drafts; no speed claim."""
+    draft = LLM(truncated_copy(llm_f32.model, 8), tokenizer=llm.tokenizer)
     outs = [llm.generate(p, GREEDY, speculative=SpeculativeConfig("draft_model", 4, draft_model=draft))[0] for p in prompts]
     assert [o.token_ids for o in outs] == plain
     assert sum(o.stats.accepted for o in outs) > 0

@@ -235,7 +235,8 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
     if isinstance(src, LLM):
         draft = src
     else:
-        draft = LLM(model=src, dtype=spec.draft_dtype or verifier.dtype, speculative=None, device=verifier.model.device)
+        dtype = spec.draft_dtype or ("auto" if verifier.dtype == "gguf" else verifier.dtype)  # a GGUF drafter's own blocks
+        draft = LLM(model=src, dtype=dtype, speculative=None, device=verifier.model.device)
     if draft.model.device != verifier.model.device:
         raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")
     if _same_vocab(draft, verifier):

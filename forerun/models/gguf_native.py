@@ -169,6 +169,21 @@ def source_of(folder: Path) -> Path | None:
     return path if path.is_file() else None
 
 
+def quantized_source(folder: Path) -> bool:
+    """Whether `folder` came from a GGUF whose projection matrices are mostly of native types
+    (a float16 / float32 GGUF is served best at float32)."""
+    path = source_of(folder)
+    if path is None:
+        return False
+    from gguf import GGUFReader
+
+    try:
+        types = [int(t.tensor_type) for t in GGUFReader(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    except Exception:
+        return False
+    return bool(types) and sum(t in NATIVE_TYPES for t in types) * 2 > len(types)
+
+
 def load_native(folder: Path, device="cpu") -> nn.Module:
     """The model of `folder` (a converted GGUF folder: config.json, tokenizer) with every
     linear on its GGUF file's own blocks."""

@@ -84,6 +84,22 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def resolve_dtype(dtype: str, folder: Path | None, device="cpu") -> str:
+    """"auto" -> "gguf" for a folder converted from a GGUF file whose linears are quantized in
+    a type the native kernels read, on the CPU with the kernels built; else "float32". Other
+    dtypes are returned as they are."""
+    check_dtype(dtype)
+    if dtype != "auto":
+        return dtype
+    if folder is None or torch.device(device).type != "cpu":
+        return "float32"
+    from forerun.models import int8_kernel
+    from forerun.models.gguf_native import quantized_source
+
+    kernel = int8_kernel.load()
+    return "gguf" if kernel is not None and hasattr(kernel, "gguf_rows") and quantized_source(folder) else "float32"
+
+
 def _ensure_float_weights(folder: Path) -> None:
     """A converted GGUF folder holds no float32 weights until a float precision first needs them."""
     from forerun.models.gguf_convert import write_weights
@@ -97,9 +113,9 @@ def _ensure_float_weights(folder: Path) -> None:
         write_weights(folder, source)
 
 
-def load_model(folder: Path, dtype: str = "float32", device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> torch.nn.Module:
     """The decoder class MODEL_CLASSES names for the folder's config.json, loaded and finished."""
-    check_dtype(dtype)
+    dtype = resolve_dtype(dtype, folder, device)
     if dtype == "gguf":  # the file's own blocks (models/gguf_native.py)
         from forerun.models.gguf_native import load_native
 
