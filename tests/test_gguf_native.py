@@ -139,16 +139,17 @@ TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.
          "ffn_up": T.Q5_1, "ffn_down": T.Q4_1}
 
 
-def write_quantized_gguf(path, seed: int = 0) -> None:
-    """A tiny llama GGUF as llama.cpp would write a quantized one: every matrix in a native
-    type (q/k/v three different ones), norms F32, the embedding Q5_0 and the head Q6_K."""
+def write_quantized_gguf(path, seed: int = 0, arch: str = "llama") -> None:
+    """A tiny llama (or qwen2: q/k/v biases) GGUF as llama.cpp would write a quantized one:
+    every matrix in a native type (q/k/v three different ones), norms and biases F32, the
+    embedding Q5_0 and the head Q6_K."""
     import gguf
 
     from tests.test_gguf_convert import gpt2_byte_chars, token_type
 
     rng = np.random.default_rng(seed)
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *gpt2_byte_chars(), "Ġt", "he", "Ġthe"]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -179,6 +180,9 @@ def write_quantized_gguf(path, seed: int = 0) -> None:
     for i in range(LAYERS):
         for kind, (rows, k) in shapes.items():
             matrix(f"blk.{i}.{kind}.weight", TYPES[kind], rows, k)
+        if arch == "qwen2":
+            for kind in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"blk.{i}.{kind}.bias", (0.1 * rng.standard_normal(shapes[kind][0])).astype(np.float32))
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
     w.write_header_to_file()
@@ -233,6 +237,15 @@ def test_gguf_logits_follow_the_float32_model_of_the_same_file(tiny_gguf, verifi
     a, b = verifier.model.score(ids), f32.model.score(ids)
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_qwen2_file_keeps_its_biases(tmp_path):
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_quantized_gguf(path, seed=3, arch="qwen2")
+    native, f32 = LLM(str(path), dtype="gguf", progress=False), LLM(str(path), dtype="float32", progress=False)
+    assert native.model.model.layers[1].self_attn.qkv_proj.bias is not None
+    a, b = native.model.score(PROMPTS[0]), f32.model.score(PROMPTS[0])
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_vocab", "tree"])

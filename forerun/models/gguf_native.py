@@ -250,6 +250,7 @@ def _place(model: nn.Module, tensors: dict, cfg, path: Path) -> None:
     groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")} if fused else {}
     used: set[str] = set()
+    placed: list[str] = []  # modules built here, whole (their parameters are not in `rest`)
     for mod_name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             sources = next((tuple(mod_name[: -len(k)] + p for p in v) for k, v in groups.items() if mod_name.endswith(k)),
@@ -257,11 +258,13 @@ def _place(model: nn.Module, tensors: dict, cfg, path: Path) -> None:
             if mod_name == "lm_head" and cfg.tie_word_embeddings:
                 sources = ("model.embed_tokens",)
             _set(model, mod_name, _linear(tensors, sources, module, used, path))
+            placed.append(mod_name + ".")
         elif isinstance(module, nn.Embedding):
             _set(model, mod_name, _embedding(tensors, mod_name, module, used, path))
+            placed.append(mod_name + ".")
     rest = {k: v for k, v in tensors.items() if k not in used}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
-    missing = [m for m in missing if not m.endswith("inv_freq")]
+    missing = [m for m in missing if not m.endswith("inv_freq") and not m.startswith(tuple(placed))]
     if missing or unexpected:
         raise ModelLoadError(f"{path}: tensors do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
