@@ -310,6 +310,9 @@ def cmd_quality(args) -> int:
     text, sources = _quality_text(args.text)
     llama = _llama_run(args.llama_cpp_dir, args.model, torch.get_num_threads()) if args.llama_cpp_dir else None
     ref = LLM(model=args.model, dtype="float32")
+    from forerun.models.f32_linear import to_plain_linears_
+
+    to_plain_linears_(ref.model)  # the reference scores hundreds of tokens a forward: torch's sgemm
     if args.ctx > ref.max_context:
         raise ForerunError(f"--ctx {args.ctx}: the model's context is {ref.max_context} tokens")
     lead = ref.tokenizer.encode("")  # [BOS] when the tokenizer adds one (llama.cpp's add_bos), else []

@@ -104,3 +104,19 @@ def _swap_linears(module: nn.Module, kernel) -> None:
             setattr(module, name, F32RowsLinear(child, kernel))
         else:
             _swap_linears(child, kernel)
+
+
+def to_plain_linears_(model: nn.Module) -> nn.Module:
+    """The inverse of use_f32_kernels_ for the linears: torch's sgemm again (the same function,
+    other rounding, not batch-invariant; much faster over hundreds of tokens on a CPU without
+    AVX512, e.g. scoring a reference model's long chunks)."""
+    for name, child in model.named_children():
+        if isinstance(child, F32RowsLinear):
+            plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            plain.weight = nn.Parameter(child.weight.contiguous(), requires_grad=False)
+            if child.bias is not None:
+                plain.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
+            setattr(model, name, plain)
+        else:
+            to_plain_linears_(child)
+    return model
