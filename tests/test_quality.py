@@ -92,6 +92,13 @@ def test_scored_positions_are_the_teacher_forced_ones():
     assert evaluate({"float64": model}, chunks)[0].ppl == pytest.approx(math.exp(nll / 8), rel=1e-6)
 
 
+def test_precisions_are_listed_once_after_float32_with_auto_resolved():
+    from forerun.bench.commands import _quality_dtypes
+
+    resolve = {"auto": "gguf"}.get
+    assert _quality_dtypes("int8, float32,auto,int8,gguf", lambda d: resolve(d, d)) == ["int8", "gguf"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "float32,int9"], "dtype must be one of"),
     (["--ctx", "2"], "--ctx must be >= 4"),

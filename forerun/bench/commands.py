@@ -302,9 +302,9 @@ def cmd_quality(args) -> int:
 
     from forerun.bench.quality import QualityRow, evaluate, llama_perplexity, make_chunks, markdown_table, scored_span
     from forerun.llm import LLM
-    from forerun.models.loader import load_model
+    from forerun.models.loader import load_model, resolve_dtype
 
-    dtypes = _quality_dtypes(args.dtype)
+    _quality_dtypes(args.dtype)  # a bad name fails before any model loads
     if args.ctx < 4 or args.chunks < 1:
         raise ForerunError("--ctx must be >= 4 and --chunks >= 1")
     text, sources = _quality_text(args.text)
@@ -321,6 +321,7 @@ def cmd_quality(args) -> int:
     if len(ids) < 2 * args.ctx:  # llama-perplexity's own floor: both score the same chunks
         raise ForerunError(f"the text is {len(ids)} tokens; --ctx {args.ctx} needs at least {2 * args.ctx}")
     chunks = make_chunks(ids, args.ctx, args.chunks, bos)
+    dtypes = _quality_dtypes(args.dtype, lambda d: resolve_dtype(d, ref.source))
     models = {"float32": ref.model, **{d: load_model(ref.source, d) for d in dtypes}}
     print(f"forerun: {ref.name}: {len(chunks)} chunks of {args.ctx} tokens ({len(scored_span(args.ctx))} scored "
           f"a chunk) from {', '.join(Path(s).name for s in sources)}", file=sys.stderr, flush=True)
@@ -337,11 +338,12 @@ def cmd_quality(args) -> int:
     return 0
 
 
-def _quality_dtypes(text: str) -> list[str]:
-    """The precisions besides float32 (always the reference), in order, each once."""
+def _quality_dtypes(text: str, resolve=lambda dtype: dtype) -> list[str]:
+    """The precisions besides float32 (always the reference), in order, each once, after
+    resolve() (the loader's resolve_dtype turns "auto" into what it loads: gguf or float32)."""
     from forerun.config import check_dtype
 
-    listed = [check_dtype(d.strip()) for d in text.split(",") if d.strip()]
+    listed = [resolve(check_dtype(d.strip())) for d in text.split(",") if d.strip()]
     return [d for i, d in enumerate(listed) if d != "float32" and d not in listed[:i]]
 
 
