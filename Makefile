@@ -9,12 +9,15 @@ STAMP := $(VENV)/.forerun-installed
 
 setup: $(STAMP)
 
-# torch is pinned and installed first, so no dependency range can pull a CUDA build.
-$(STAMP): pyproject.toml
+# torch is pinned and installed first, so no dependency range can pull a CUDA build. The install
+# compiles the kernels (setup.py) against that torch, with its builders installed beside it:
+# hence --no-build-isolation. A changed .cpp or setup.py reruns it (the kernels are rebuilt).
+$(STAMP): pyproject.toml setup.py $(wildcard forerun/models/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet torch==2.13.0 ninja setuptools wheel
+	@echo "forerun: compiling the kernels for this CPU (about 2 min on 2 cores)..."
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
 # The pair speculation is meant for: a memory-bound verifier (float32) and a same-tokenizer drafter (its int4 sibling).

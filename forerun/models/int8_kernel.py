@@ -1,37 +1,59 @@
-"""The compiled int8 kernel for a few tokens per forward (int8_rows.cpp), built on first use.
+"""forerun's compiled kernels (models/*_rows.cpp, one extension module), built at install.
 
 Decoding at int8 spends most of a layer's time in small ops around the GEMM, not in it;
-this kernel does the per-token scaling, quantisation, int8 dot products and epilogue in
-one call, with the same bits as the fbgemm path. It is compiled once per machine with
-torch's C++ extension builder (g++ and ninja; `-march=native` picks AVX512-VNNI where the
-CPU has it) and cached by torch (TORCH_EXTENSIONS_DIR). Without a compiler, or with
-FORERUN_NO_KERNELS=1, `load()` returns None and Int8Linear keeps its pure-PyTorch path.
+int8_rows.cpp does the per-token scaling, quantisation, int8 dot products and epilogue in
+one call, with the same bits as the fbgemm path; its siblings do the same for float32, int4,
+GGUF blocks, chain attention and whole layers. They are compiled together, with torch's C++
+extension builder (g++ and ninja), for the CPU they run on (`-march=native` picks
+AVX512-VNNI where the CPU has it). `load()` returns the module, or None; where it came
+from is `origin()` (`forerun --version` prints it):
 
-FORERUN_KERNEL_MARCH (default `native`) builds for less than this CPU, e.g. `x86-64-v4`
-(AVX512 without VNNI: the plain C++ dot products) or `x86-64-v3` (AVX2), so the bit-level
-tests can run each code path on one machine (tests/test_isa_levels.py).
+- installed: `pip install --no-build-isolation -e .` (the Makefile's setup step) compiled
+  it into forerun/models/_kernels*.so (setup.py). It is used while the key it carries
+  matches the sources beside this file, torch's version and -march=native, and its CPU this
+  one (kernel_key.py).
+- runtime-built: otherwise one line on stderr says why (the sources changed since the
+  install, torch was absent when it ran, another CPU), and the module is built for this run
+  under forerun's cache dir (FORERUN_CACHE_DIR), in a folder named by its key: compiled in
+  a fresh temporary folder beside it, then moved into place with os.replace. No build
+  waits on another's lock, a killed build blocks nobody, and two builds of one key both
+  succeed (the last move wins; both files are the same build).
+- none: FORERUN_NO_KERNELS=1, or no compiler; callers keep their PyTorch paths.
+
+FORERUN_KERNEL_MARCH (default `native`) builds for less than this CPU at run time, e.g.
+`x86-64-v4` (AVX512 without VNNI: the plain C++ dot products) or `x86-64-v3` (AVX2), so the
+bit-level tests can run each code path on one machine (tests/test_isa_levels.py).
+
+A new `*_rows.cpp` is picked up by its name; it binds its functions in a
+`bind_<file>(pybind11::module&)` that int8_rows.cpp's PYBIND11_MODULE declares and calls.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
-import platform
+import re
+import shutil
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from forerun.models import kernel_key
+from forerun.models.kernel_key import cpu_flags_line
+
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("int8_rows.cpp")
-SOURCES = [SOURCE] + [Path(__file__).with_name(f) for f in ("f32_rows.cpp", "int4_rows.cpp", "attention_rows.cpp", "layer_rows.cpp", "gguf_rows.cpp")]
-
-
-def cpu_flags_line() -> str | None:
-    """The `flags` line of /proc/cpuinfo (every feature this CPU reports), or None."""
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return None
+SOURCES = kernel_key.sources()
+SOURCE = kernel_key.MODELS / "int8_rows.cpp"
+MARCH = os.environ.get("FORERUN_KERNEL_MARCH", "native").strip() or "native"
+NAME = "forerun_kernels"  # a runtime build's module is NAME_<march>_<key>
+INSTALLED = "forerun.models._kernels"  # setup.py's build
+ABANDONED_S = 24 * 3600  # a temporary build folder this old was a killed build's: removed
 
 
 def cpu_flags() -> set[str]:
@@ -40,55 +62,148 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split()) if line else set()
 
 
-def _cpu_tag() -> str:
-    """`-march=native` code must not be reused on another CPU (a home directory shared
-    between machines): the build's name carries a hash of this CPU's feature flags."""
-    flags = cpu_flags_line() or platform.processor() or platform.machine()
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+@dataclass(frozen=True)
+class Build:
+    """One build of the kernels: what it compiles and the hex keys it carries (kernel_key.py)."""
+
+    sources: tuple[Path, ...]
+    march: str
+    digest: str  # the sources' names and bytes
+    key: str  # + torch's version and march
+    cpu: str  # this CPU's flags
+
+    @classmethod
+    def of(cls, sources: list[Path], torch_version: str, march: str) -> Build:
+        digest = kernel_key.sources_digest(kernel_key.read_sources(sources))
+        key = kernel_key.build_key(digest, torch_version, march)
+        return cls(tuple(sources), march, digest, key, kernel_key.cpu_tag())
+
+    @property
+    def name(self) -> str:
+        """The runtime module's name (its PyInit_<name>), unique per key and CPU."""
+        tag = hashlib.sha256((self.key + self.cpu).encode()).hexdigest()[:16]
+        march = re.sub(r"\W", "_", self.march)
+        return f"{NAME}_{march}_{tag}"
 
 
-MARCH = os.environ.get("FORERUN_KERNEL_MARCH", "native").strip() or "native"
-NAME = f"forerun_int8_rows_{_cpu_tag()}" + ("" if MARCH == "native" else "_" + hashlib.sha1(MARCH.encode()).hexdigest()[:6])
+@dataclass(frozen=True)
+class Kernels:
+    module: object | None
+    origin: str  # "installed", "runtime-built" or "none"
+    where: str  # the module's file, or why there is none
+
+
+def load():
+    """The kernels' extension module, or None (with one log line saying why)."""
+    return kernels().module
+
+
+def origin() -> str:
+    """Where `load()`'s module came from, e.g. "installed (.../forerun/models/_kernels...so)"."""
+    k = kernels()
+    return f"{k.origin} ({k.where})"
 
 
 @functools.cache
-def load():
-    """The built extension module, or None (with one log line saying why)."""
+def kernels() -> Kernels:
     if os.environ.get("FORERUN_NO_KERNELS"):
-        return None
+        return Kernels(None, "none", "FORERUN_NO_KERNELS=1")
     try:
-        from torch.utils import cpp_extension
+        import torch
 
-        _put_ninja_on_path()
-        if not _already_built(cpp_extension):
-            print("forerun: compiling the int8 kernel once for this machine (about 40 s)...", file=sys.stderr, flush=True)
-        return cpp_extension.load(
-            name=NAME,
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", f"-march={MARCH}", "-ffp-contract=off", "-fopenmp"],  # no silent FMA: same bits every path
-            extra_ldflags=["-fopenmp"],
+        from forerun.embedded import cache_dir
+
+        build = Build.of(SOURCES, str(torch.__version__), MARCH)
+        stale = None
+        if MARCH == "native":
+            module, stale = installed(build, INSTALLED)
+            if module is not None:
+                return Kernels(module, "installed", module.__file__)
+        module = runtime_build(build, cache_dir() / "kernels", stale)
+        return Kernels(module, "runtime-built", module.__file__)
+    except Exception as e:  # no compiler, no ninja, an exotic CPU: fall back, never fail
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        log.warning("forerun: kernels not built (%s); using the slower PyTorch paths", why)
+        return Kernels(None, "none", why)
+
+
+def installed(build: Build, name: str) -> tuple[object | None, str | None]:
+    """setup.py's module if it was built from `build`'s sources, torch and CPU, else (None, why)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        return None, "no kernels were built at install (torch was not importable when `pip install -e .` ran)"
+    # Checked before the import: -march=native code may use instructions another CPU lacks.
+    if build.cpu.encode() not in Path(spec.origin).read_bytes():
+        return None, "the installed kernels were built for another CPU"
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        return None, f"the installed kernels do not load ({str(e).splitlines()[0][:160]})"
+    if getattr(module, "BUILD_SOURCES", None) != build.digest:
+        return None, "the installed kernels are stale (sources changed since `pip install -e .`)"
+    if getattr(module, "BUILD_KEY", None) != build.key:
+        return None, "the installed kernels were built for another torch"
+    return module, None
+
+
+def runtime_build(build: Build, folder: Path, why: str | None = None):
+    """`build`'s module from `folder`/<name>/, compiled there first unless a build of its key is."""
+    final = folder / build.name / f"{build.name}.so"
+    remedy = " — run `make setup` to rebuild once" if why else ""
+    if final.exists():
+        if why:
+            print(f"forerun: {why}; using the kernels built at run time in {final.parent}{remedy}", file=sys.stderr)
+        return _import(build.name, final)
+    if why:
+        print(f"forerun: {why}; rebuilding for this run into {final.parent}{remedy}", file=sys.stderr)
+    print(f"forerun: compiling the kernels ({len(build.sources)} files, -march={build.march}; 1-3 min on 2 cores)...",
+          file=sys.stderr, flush=True)
+    start = time.monotonic()
+    _compile(build, final)
+    print(f"forerun: kernels built in {time.monotonic() - start:.0f} s: {final}", file=sys.stderr, flush=True)
+    return _import(build.name, final)
+
+
+def _compile(build: Build, final: Path) -> None:
+    """Compiles `build` in a fresh folder beside `final`'s and moves the library to `final`.
+    Torch's lock file lives in that folder only, so no other process ever waits on it."""
+    from torch.utils import cpp_extension
+
+    kernel_key.put_ninja_on_path()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(final.parent.parent)
+    tmp = tempfile.mkdtemp(prefix=f"{build.name}.build-", dir=final.parent.parent)
+    try:
+        # torch skips a second build of one name in a process as up to date (wrong in a fresh folder)
+        getattr(getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None), "entries", {}).pop(build.name, None)
+        built = cpp_extension.load(
+            name=build.name,
+            sources=[str(s) for s in build.sources],
+            extra_cflags=kernel_key.compile_args(build.march, build.key, build.digest, build.cpu),
+            extra_ldflags=kernel_key.LDFLAGS,
+            build_directory=tmp,
+            is_python_module=False,  # the library, imported below from where it ends up
             verbose=False,
         )
-    except Exception as e:  # no compiler, no ninja, an exotic CPU: fall back, never fail
-        log.warning("forerun: int8 kernel not built (%s); using the slower PyTorch path", str(e).splitlines()[0][:200])
-        return None
+        os.replace(built, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _already_built(cpp_extension) -> bool:
-    """Best effort (a private torch helper): is a built module in torch's cache already?
-    torch itself still decides whether to rebuild (it hashes the source and flags)."""
-    try:
-        return (Path(cpp_extension._get_build_directory(NAME, False)) / f"{NAME}.so").exists()
-    except Exception:
-        return True  # no message rather than a wrong one
+def _remove_abandoned(folder: Path) -> None:
+    for tmp in folder.glob(f"{NAME}_*.build-*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > ABANDONED_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
 
 
-def _put_ninja_on_path():
-    """torch's builder runs `ninja` from PATH; the pip `ninja` package may live only in the venv."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    bin_dir = getattr(ninja, "BIN_DIR", None)
-    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+def _import(name: str, path: Path):
+    """The extension module `name` (its PyInit_<name>) from the library at `path`."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[name] = module
+    return module

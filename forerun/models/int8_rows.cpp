@@ -250,6 +250,19 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
 void bind_layer_rows(pybind11::module& m);  // layer_rows.cpp
 void bind_gguf_rows(pybind11::module& m);   // gguf_rows.cpp
 
+// What this build was made from (kernel_key.py passes them as -D hex tokens; int8_kernel.py
+// reuses a build only while they match its sources, torch, -march and CPU).
+#define FORERUN_STR_(x) #x
+#define FORERUN_STR(x) FORERUN_STR_(x)
+#ifndef FORERUN_BUILD_KEY
+#define FORERUN_BUILD_KEY none
+#define FORERUN_BUILD_SOURCES none
+#define FORERUN_BUILD_CPU none
+#endif
+
+// The one module of all the *_rows.cpp files (compiled together: setup.py at install, or
+// int8_kernel.py at run time). A new file binds its functions in a `void bind_<file>(pybind11::module& m)`
+// of its own, declared and called here, as layer_rows.cpp and gguf_rows.cpp do.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
   m.def("int8_rows", &int8_rows, "per-token int8 linear for a few rows");
@@ -261,4 +274,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
   bind_layer_rows(m);
   bind_gguf_rows(m);
+  m.attr("BUILD_KEY") = FORERUN_STR(FORERUN_BUILD_KEY);
+  m.attr("BUILD_SOURCES") = FORERUN_STR(FORERUN_BUILD_SOURCES);
+  m.attr("BUILD_CPU") = FORERUN_STR(FORERUN_BUILD_CPU);
 }
