@@ -31,6 +31,14 @@ def int8_paths() -> dict[str, str]:
     return {"few tokens": few, "64+ tokens": wide, "chain attention": "per-query kernel" if kernel is not None else "SDPA"}
 
 
+def kernels_origin() -> str:
+    """Where the compiled kernels came from: installed (built by `pip install -e .`), runtime-built
+    (stale or missing at install, or a forced -march), or none, with the file or the reason."""
+    from forerun.models import int8_kernel
+
+    return int8_kernel.origin()
+
+
 def describe() -> str:
     import torch
 
@@ -43,4 +51,5 @@ def describe() -> str:
         + (f" (ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']})" if os.environ.get("ONEDNN_MAX_CPU_ISA") else ""),
     ]
     lines += [f"int8 {k}: {v}" for k, v in int8_paths().items()]
+    lines.append(f"kernels: {kernels_origin()}")
     return "\n".join(lines)

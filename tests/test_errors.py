@@ -139,6 +139,8 @@ def test_version_names_the_int8_paths(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("forerun ") and "torch" in out and "int8 64+ tokens:" in out
+    assert any(line.startswith("kernels: ") and line.split()[1] in ("installed", "runtime-built", "none")
+               for line in out.splitlines()), out
 
 
 def test_prompts_of_the_wrong_type_name_what_is_accepted():
