@@ -10,12 +10,13 @@ STAMP := $(VENV)/.forerun-installed
 setup: $(STAMP)
 
 # torch is pinned and installed first, so no dependency range can pull a CUDA build. The install
-# compiles the kernels (setup.py) against that torch, with its builders installed beside it:
-# hence --no-build-isolation. A changed .cpp or setup.py reruns it (the kernels are rebuilt).
+# compiles the kernels (setup.py) against that torch, hence --no-build-isolation, with the
+# builders (and numpy, which torch warns about when missing) installed first.
+# A changed .cpp or setup.py reruns it: the kernels are rebuilt.
 $(STAMP): pyproject.toml setup.py $(wildcard forerun/models/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0 ninja setuptools wheel
+	$(PY) -m pip install --quiet torch==2.13.0 numpy ninja setuptools wheel
 	@echo "forerun: compiling the kernels for this CPU (about 2 min on 2 cores)..."
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $(STAMP)
