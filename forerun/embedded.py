@@ -67,15 +67,13 @@ def default_model_dir(progress: bool = True) -> Path:
 
 def _converted(name: str, ensure_gguf, progress: bool) -> Path:
     """cache/models/<name>, converted once from the GGUF that ensure_gguf(progress) provides."""
-    from forerun.models.gguf_native import source_of, write_source
+    from forerun.models.gguf_convert import convert_gguf_to_hf, source_of, write_source
 
     folder = cache_dir() / "models" / name
     if (folder / "config.json").is_file():  # written last-in-place by an atomic rename
         if source_of(folder) is None:  # converted by an older forerun: say where its GGUF is
             write_source(folder, ensure_gguf(progress))
         return folder
-    from forerun.models.gguf_convert import convert_gguf_to_hf
-
     gguf_path = ensure_gguf(progress)
     _say(f"reading {gguf_path.name}'s config and tokenizer into {folder} (once)", progress)
     return convert_gguf_to_hf(gguf_path, folder, progress=progress, weights=False)  # float32 weights: on first use

@@ -23,6 +23,8 @@ import numpy as np
 
 from forerun.errors import ModelLoadError
 
+SOURCE_FILE = "forerun_gguf.json"  # in a converted folder: the GGUF it came from
+
 # llama.cpp name -> HF name. Per-layer names are `blk.{i}.{key}.weight` (and `.bias`, see _Arch.biased).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -84,8 +86,6 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
 
     def write(folder: Path) -> None:
         from safetensors.numpy import save_file
-
-        from forerun.models.gguf_native import write_source
 
         write_source(folder, gguf_path)
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -577,3 +577,18 @@ def _write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # a no-op once renamed
+
+
+def write_source(folder: Path, gguf_path: Path) -> None:
+    """Record in a converted folder which GGUF it came from (dtype gguf reads its blocks: gguf_native.py)."""
+    (folder / SOURCE_FILE).write_text(json.dumps({"path": str(Path(gguf_path).resolve())}) + "\n")
+
+
+def source_of(folder: Path) -> Path | None:
+    """The GGUF a converted folder came from, or None (a HF folder, or a folder converted before
+    forerun recorded it)."""
+    try:
+        path = Path(json.loads((folder / SOURCE_FILE).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None

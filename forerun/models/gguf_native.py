@@ -17,7 +17,6 @@ decoding bit for bit (tests/test_gguf_native.py).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +26,11 @@ from torch import nn
 
 from forerun.errors import ModelLoadError
 from forerun.models import int8_kernel
+from forerun.models.gguf_convert import source_of
 
 # ggml type ids (gguf.GGMLQuantizationType) with a native kernel -> (values, bytes) per block.
 NATIVE_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
                 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-SOURCE_FILE = "forerun_gguf.json"  # in a converted folder: the GGUF it came from
 
 
 @dataclass(frozen=True)
@@ -154,21 +153,6 @@ def _type_name(t: int) -> str:
 # --- loading -----------------------------------------------------------------------------------
 
 
-def write_source(folder: Path, gguf_path: Path) -> None:
-    """Record in a converted folder which GGUF it came from (load_native reads it)."""
-    (folder / SOURCE_FILE).write_text(json.dumps({"path": str(Path(gguf_path).resolve())}) + "\n")
-
-
-def source_of(folder: Path) -> Path | None:
-    """The GGUF a converted folder came from, or None (a HF folder, or a folder converted before
-    forerun recorded it)."""
-    try:
-        path = Path(json.loads((folder / SOURCE_FILE).read_text())["path"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return path if path.is_file() else None
-
-
 def quantized_source(folder: Path) -> bool:
     """Whether `folder` came from a GGUF whose projection matrices are mostly of native types
     (a float16 / float32 GGUF is served best at float32)."""
@@ -184,14 +168,9 @@ def quantized_source(folder: Path) -> bool:
     return bool(types) and sum(t in NATIVE_TYPES for t in types) * 2 > len(types)
 
 
-def load_native(folder: Path, device="cpu") -> nn.Module:
-    """The model of `folder` (a converted GGUF folder: config.json, tokenizer) with every
-    linear on its GGUF file's own blocks."""
-    from forerun.models.config import ModelConfig
-    from forerun.models.gguf_convert import _architecture, _open_reader, _read_metadata
-    from forerun.models.llama import LlamaForCausalLM
-    from forerun.models.loader import MODEL_CLASSES, finish_model
-
+def native_source(folder: Path, device="cpu") -> Path:
+    """The GGUF file whose blocks a model of `folder` computes with at dtype gguf; refused (with
+    what to use instead) on an accelerator, for a folder not converted from a GGUF, without the kernels."""
     if torch.device(device).type != "cpu":
         raise ModelLoadError("dtype 'gguf' is a CPU path; use bfloat16 on an accelerator")
     path = source_of(folder)
@@ -199,17 +178,17 @@ def load_native(folder: Path, device="cpu") -> nn.Module:
         raise ModelLoadError(f"dtype 'gguf' needs a model loaded from a GGUF file; {folder} is not one "
                              "(use float32, bfloat16, int8 or int4 for a Hugging Face folder)")
     _kernel()
-    cfg = ModelConfig.from_file(folder / "config.json")
+    return path
+
+
+def place_native_(model: nn.Module, path: Path) -> None:
+    """Fill `model` (built on the meta device from its folder's config.json) with the GGUF
+    file's own blocks at `path`: every linear a GGUFLinear. The loader finishes it."""
+    from forerun.models.gguf_convert import _architecture, _open_reader, _read_metadata
+
     reader = _open_reader(path)
     arch = _architecture(_read_metadata(reader, path), path)
-    with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.model_type](cfg)
-    tensors = _read_tensors(reader, arch, cfg, path)
-    _place(model, tensors, cfg, path)
-    model = finish_model(model, "gguf", device)
-    if isinstance(model, LlamaForCausalLM):  # per-query chain attention: a row's bits never depend on its batch-mates
-        model.use_chain_attention_kernel(_kernel())
-    return model
+    _place(model, _read_tensors(reader, arch, model.config, path), model.config, path)
 
 
 def _read_tensors(reader, arch, cfg, path: Path) -> dict[str, Blocks | torch.Tensor]:

@@ -1,7 +1,7 @@
 """Which int8 GEMM serves wide inputs (WIDE_ROWS tokens or more) on this CPU: decided once
 per process by comparing bits, never assumed from the CPU's name.
 
-Every int8 path must give fbgemm's per-token bits (quant.py), or a token's logits would
+Every int8 path must give fbgemm's per-token bits (int8_gemm.py), or a token's logits would
 depend on how many tokens share its forward (a 63-token verify vs a 64-token one, a prompt
 alone vs batched with others). oneDNN picks its int8 kernel by CPU: with AMX its float
 epilogue rounds like fbgemm's; on an AVX512-VNNI Xeon without AMX about 29% of outputs
@@ -20,6 +20,9 @@ import os
 
 import torch
 
+from forerun.models import int8_kernel
+from forerun.models.int8_gemm import fbgemm_anchor, fbgemm_prepack, fbgemm_rows, onednn_available, onednn_rows, quiet
+
 log = logging.getLogger(__name__)
 CHOICES = ("onednn", "kernel", "fbgemm")
 # (in, out, rows): a toy shape, SmolLM2's q/k/v and one past a few oneDNN blocking sizes.
@@ -30,9 +33,6 @@ PROBE_SHAPES = ((96, 80, 128), (576, 960, 64), (200, 333, 257))
 def wide_path() -> str:
     """"onednn" where oneDNN's int8 GEMM reproduces fbgemm's bits on this CPU, else
     "kernel" (forerun's compiled kernel) or "fbgemm" where the kernel is not built."""
-    from forerun.models import int8_kernel
-    from forerun.models.quant import onednn_available
-
     fallback = "kernel" if int8_kernel.load() is not None else "fbgemm"
     forced = os.environ.get("FORERUN_INT8_WIDE", "").strip().lower()
     if forced:
@@ -50,12 +50,10 @@ def wide_path() -> str:
 def onednn_matches_fbgemm(n_in: int, n_out: int, rows: int, gemm=None) -> bool:
     """One random layer and `rows` tokens of very different ranges (and exact quantisation
     ties): does `gemm` (default oneDNN's) give fbgemm's bits for every output?"""
-    from forerun.models.quant import _quiet, fbgemm_anchor, fbgemm_prepack, fbgemm_rows, onednn_rows
-
     g = torch.Generator().manual_seed(n_in * 7919 + n_out)
     w = torch.randn(n_out, n_in, generator=g)
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    with _quiet():
+    with quiet():
         w8 = torch.quantize_per_channel(w, scale.double(), torch.zeros(n_out, dtype=torch.long), 0, torch.qint8).int_repr()
     x = torch.randn(rows, n_in, generator=g) * torch.rand(rows, 1, generator=g) * 8
     x[0] = torch.linspace(-1, 1, n_in)  # many values on a rounding tie

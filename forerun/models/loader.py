@@ -102,8 +102,7 @@ def resolve_dtype(dtype: str, folder: Path | None, device="cpu") -> str:
 
 def _ensure_float_weights(folder: Path) -> None:
     """A converted GGUF folder holds no float32 weights until a float precision first needs them."""
-    from forerun.models.gguf_convert import write_weights
-    from forerun.models.gguf_native import source_of
+    from forerun.models.gguf_convert import source_of, write_weights
 
     source = source_of(folder)
     if source is not None and not any(folder.glob("*.safetensors")):
@@ -116,13 +115,15 @@ def _ensure_float_weights(folder: Path) -> None:
 def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> torch.nn.Module:
     """The decoder class MODEL_CLASSES names for the folder's config.json, loaded and finished."""
     dtype = resolve_dtype(dtype, folder, device)
-    if dtype == "gguf":  # the file's own blocks (models/gguf_native.py)
-        from forerun.models.gguf_native import load_native
+    if dtype == "gguf":  # every linear on the file's own blocks (models/gguf_native.py)
+        from forerun.models.gguf_native import native_source, place_native_
 
-        return load_native(folder, device)
-    cfg = ModelConfig.from_file(folder / "config.json")
-    with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.model_type](cfg)
+        source = native_source(folder, device)
+        model = _on_meta(folder)
+        place_native_(model, source)
+        return finish_model(model, dtype, device)
+    model = _on_meta(folder)
+    cfg = model.config
     _ensure_float_weights(folder)
     state = read_state_dict(folder)
     if cfg.tie_word_embeddings:
@@ -144,6 +145,13 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
     if missing or unexpected:
         raise ModelLoadError(f"weights in {folder} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return finish_model(model, dtype, device)
+
+
+def _on_meta(folder: Path) -> torch.nn.Module:
+    """The decoder class MODEL_CLASSES names for the folder's config.json, without weights yet."""
+    cfg = ModelConfig.from_file(folder / "config.json")
+    with torch.device("meta"):
+        return MODEL_CLASSES[cfg.model_type](cfg)
 
 
 def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
@@ -170,6 +178,10 @@ def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
             to_int4_(model)
         except RuntimeError as e:
             raise ModelLoadError(str(e)) from None
+    elif dtype == "gguf" and hasattr(model, "use_chain_attention_kernel"):  # per-query chain attention: a row's bits never depend on its batch-mates
+        from forerun.models import int8_kernel
+
+        model.use_chain_attention_kernel(int8_kernel.load())
     elif dtype == "float32" and torch.device(device).type == "cpu":
         from forerun.models import int8_kernel
         from forerun.models.f32_linear import use_f32_kernels_

@@ -23,14 +23,13 @@ quantisation step. `forerun compare` therefore reports int8's match share, not i
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import warnings
-
 import torch
 from torch import nn
 
 from forerun.models import int8_kernel
+from forerun.models.int8_gemm import (activation_qparams, fbgemm_anchor, fbgemm_prepack, fbgemm_rows, onednn_rows,
+                                         quiet)
+from forerun.models.int8_probe import wide_path
 
 WIDE_ROWS = 64  # from this many tokens on, oneDNN's GEMM is the fastest (measured crossover 32-64)
 
@@ -40,7 +39,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # [out] per channel
-        with _quiet():  # deprecated upstream, still the fast fbgemm path in 2.13
+        with quiet():  # deprecated upstream, still the fast fbgemm path in 2.13
             qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), axis=0, dtype=torch.qint8)
         w8 = qw.int_repr().contiguous()
         self.register_buffer("weight_int8", w8, persistent=False)  # [out, in]
@@ -63,8 +62,6 @@ class Int8Linear(nn.Module):
         self._packed = None
         if kernel is None:
             self._packed = fbgemm_prepack(self.weight_int8, self.weight_scale)
-        from forerun.models.int8_probe import wide_path  # (a cycle at import time otherwise)
-
         self._wide = torch.ops.onednn.qlinear_prepack(self.weight_int8, None) if wide_path() == "onednn" else None
         self._set_rows_args()
 
@@ -129,48 +126,6 @@ class Int8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 per-channel weights, per-token activations, {kernel}"
 
 
-def fbgemm_prepack(w8: torch.Tensor, w_scale: torch.Tensor):
-    """fbgemm's packed form of int8 weights [out, in] with per-channel scales [out]."""
-    zeros = torch.zeros(w8.shape[0], dtype=torch.long)
-    qw = torch._make_per_channel_quantized_tensor(w8, w_scale.double(), zeros, 0)
-    return torch.ops.quantized.linear_prepack(qw, None)
-
-
-def fbgemm_anchor(n_in: int) -> torch.Tensor:
-    """[1, in] = [1, 0, ..., 0, -1]: appended to fbgemm's input, it pins the tensor's
-    quantisation range to [-1, 1], the range every per-token-scaled row spans."""
-    anchor = torch.zeros(1, n_in)
-    anchor[0, 0], anchor[0, -1] = 1.0, -1.0
-    return anchor
-
-
-def fbgemm_rows(x: torch.Tensor, packed, anchor: torch.Tensor) -> torch.Tensor:
-    """[N, in] -> [N, out] (no bias): the reference numerics, any N (the anchor row pins the
-    tensor's quantisation range to [-1, 1], so every row is quantised on its own)."""
-    n = x.shape[0]
-    s = _row_scale(x)
-    staged = _staging(anchor, n)  # [N + 1, in], last row the anchor
-    torch.div(x, s, out=staged[:n])
-    return torch.ops.quantized.linear_dynamic(staged, packed, True)[:n].mul_(s)
-
-
-def onednn_rows(x: torch.Tensor, prepacked, w_scale: torch.Tensor, w_zero: torch.Tensor) -> torch.Tensor:
-    """[N, in] -> [N, out] (no bias) through oneDNN's int8 GEMM, per-token scaled like the others."""
-    s = _row_scale(x)
-    scale, zero = activation_qparams()
-    with _quiet():
-        q = torch.quantize_per_tensor(x / s, scale, zero, torch.quint8).int_repr()
-    y = torch.ops.onednn.qlinear_pointwise(
-        q, scale, zero, prepacked, w_scale, w_zero, None, 1.0, 0, torch.float32, "none", [], ""
-    )
-    return y.mul_(s)
-
-
-def _row_scale(x: torch.Tensor) -> torch.Tensor:
-    """[N, in] -> [N, 1] each token's max |x| (vector_norm(inf) is 10x slower at 800 rows)."""
-    return x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
-
-
 def pack_weight(w8: torch.Tensor) -> torch.Tensor:
     """[M, K] int8 -> [Mp/16, Kp/4, 16, 4], the layout int8_rows.cpp reads: 64 bytes hold
     4 consecutive inputs of 16 consecutive outputs (Mp: M up to a multiple of 48, the
@@ -180,44 +135,6 @@ def pack_weight(w8: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(Mp, Kp, dtype=torch.int8)
     padded[:M, :K] = w8
     return padded.view(Mp // 16, 16, Kp // 4, 4).permute(0, 2, 1, 3).contiguous()
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
-
-@contextlib.contextmanager
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        yield
-
-
-@functools.cache
-def activation_qparams() -> tuple[float, int]:
-    """The uint8 scale and zero point fbgemm's dynamic linear (reduce_range) picks for an
-    input spanning exactly [-1, 1], as every per-token-scaled input does."""
-    with _quiet():  # (torch's deprecation warning for quantized tensors: one line per process otherwise)
-        q = torch.quantize_per_tensor_dynamic(torch.tensor([[1.0, -1.0]]), torch.quint8, True)
-    return q.q_scale(), q.q_zero_point()
-
-
-_STAGED: dict[tuple[int, int], torch.Tensor] = {}  # (in_features, N) -> [N + 1, in] buffer
-
-
-def _staging(anchor: torch.Tensor, n: int) -> torch.Tensor:
-    """A reusable fbgemm input buffer whose last row holds the anchor (one op saved per call).
-    Layers run one after another, so one buffer per (width, N) is enough; wide inputs get a
-    fresh one rather than pinning memory."""
-    key = (anchor.shape[1], n)
-    buf = _STAGED.get(key)
-    if buf is None or buf.device != anchor.device:
-        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buf = torch.empty(n + 1, anchor.shape[1], device=anchor.device)
-            buf[n] = anchor[0]
-        if n <= 64:
-            _STAGED[key] = buf
-    return buf
 
 
 def to_int8_(model: nn.Module) -> nn.Module:
