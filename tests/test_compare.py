@@ -59,5 +59,5 @@ def test_compare_command_on_the_embedded_model(tmp_path, capsys):
     assert r["prompts"] == str(prompts) and r["method"] == "ngram k=3" and r["n_prompts"] == 2
     assert r["identical"] is True and r["max_new_tokens"] == 8 and len(r["per_prompt"]) == 2
     text = "\n".join(report_lines(r))
-    assert "2 prompts, ngram k=3, dtype float32" in text and "95% interval over prompts" in text
-    assert "identical to plain: True" in text
+    assert "2 prompts, ngram k=3, dtype gguf" in text and "95% interval over prompts" in text
+    assert "identical to plain: True" in text and "top-1 agreement with float32" in text

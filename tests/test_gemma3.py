@@ -152,7 +152,12 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def gemma_llm():
-    return LLM(model="gemma3-270m", progress=False)
+    return LLM(model="gemma3-270m", progress=False)  # dtype auto: gguf, the file's own blocks
+
+
+@pytest.fixture(scope="module")
+def gemma_f32():
+    return LLM(model="gemma3-270m", dtype="float32", progress=False)  # the file's weights dequantized exactly
 
 
 @pytest.fixture(scope="module")
@@ -187,12 +192,22 @@ def test_real_tokenizer_ids_match_transformers(gemma_llm, reference):
         assert gemma_llm.tokenizer.encode(text) == reference["ids"][text], text
 
 
-def test_real_logits_match_transformers(gemma_llm, reference):
-    model, ids = gemma_llm.model, reference["ids"][PROMPT]
+def test_real_logits_match_transformers(gemma_f32, reference):
+    model, ids = gemma_f32.model, reference["ids"][PROMPT]
     got = model(chain_batch([ids], [0], [0], model.device), model.new_cache(1, len(ids))).logits[0]
     expected = reference["logits"]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-4)  # float32, different op order
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert gemma_f32.tokenizer.decode([int(got[-1].argmax())]) == " Berlin"
+
+
+def test_real_gguf_follows_float32(gemma_llm, gemma_f32, reference):
+    """The default (gguf) differs from float32 only by its 8-bit activations."""
+    assert gemma_llm.dtype == "gguf"
+    ids = reference["ids"][PROMPT]
+    got, want = gemma_llm.model.score(ids).double(), gemma_f32.model.score(ids).double()
+    kl = (want.softmax(-1) * (want.log_softmax(-1) - got.log_softmax(-1))).sum(-1)
+    assert kl.mean() < 0.05 and (got.argmax(-1) == want.argmax(-1)).double().mean() >= 0.8
     assert gemma_llm.tokenizer.decode([int(got[-1].argmax())]) == " Berlin"
 
 

@@ -37,10 +37,10 @@ def cmd_compare(args) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)
     llm = LLM(model=args.model, dtype=args.dtype, speculative=None)
     work = Workload(args.prompts, [(p.id, prompt_ids(llm, p)) for p in prompts])
-    report = {"prompts": args.prompts, "dtype": args.dtype, "max_new_tokens": params.max_tokens,
+    report = {"prompts": args.prompts, "dtype": llm.dtype, "max_new_tokens": params.max_tokens,
               "temperature": params.temperature, **run_compare(llm, work, params, spec)}
     report["warnings"] = [w for w in [busy_note(torch.get_num_threads())] if w]
-    if args.dtype != "float32":
+    if llm.dtype != "float32":
         ref = LLM(model=args.model, dtype="float32", speculative=None, progress=False)
         report["top1_agreement_vs_float32"] = top1_agreement(llm.model, ref.model, llm.encode([FIXED_TEXT])[0])
     print(json.dumps(report, indent=2) if args.json else "\n".join(report_lines(report)))

@@ -22,6 +22,7 @@ from forerun.errors import ModelLoadError
 from forerun.kv_cache import ForwardBatch, KVCache
 from forerun.models.config import ModelConfig
 from forerun.models.base import DecoderBase, ModelOutput
+from forerun.models.quant import WIDE_ROWS
 from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -61,6 +62,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.masked_attention = None  # the compiled per-query kernel, set by use_chain_attention_kernel
 
     def forward(self, x, rope, mask, batch: ForwardBatch, cache: KVCache):
         B, T, _ = x.shape
@@ -69,6 +71,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         cache.write(self.layer, batch, k, v)
+        if self.masked_attention is not None and self.cap is None and q.dtype == torch.float32:
+            return self.o_proj(self._per_query(q, mask, batch, cache).transpose(1, 2).reshape(B, T, self.nh * self.hd))
         keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
         if self.cap is None:
             out = F.scaled_dot_product_attention(
@@ -77,6 +81,29 @@ class Attention(nn.Module):
         else:
             out = self._capped_attention(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # out: (B, nh, T, hd)
+
+    def _per_query(self, q, mask, batch: ForwardBatch, cache: KVCache):
+        """Attention computed so that a row's bits never depend on its batch-mates or on how
+        many queries it scores: a row with fewer than WIDE_ROWS new tokens goes through the
+        per-query kernel under its mask (sliding windows included); a longer one (a prompt)
+        through SDPA on that row alone, over only the slots it can see."""
+        k_all, v_all = cache.k[self.layer], cache.v[self.layer]
+        lengths = batch.lengths  # None for a token tree: every node through the kernel
+        long = [] if lengths is None else [b for b, n in enumerate(lengths) if n >= WIDE_ROWS]
+        if not long:
+            return self.masked_attention(q, k_all, v_all, batch.row_index, mask[:, 0], self.scale)
+        out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)
+        for b in long:
+            row, n = batch.rows[b], lengths[b]
+            S = int(batch.slots[b, n - 1]) + 1  # a chain's last query sees slots [0, S)
+            out[b : b + 1, :, :n] = F.scaled_dot_product_attention(
+                q[b : b + 1, :, :n], k_all[row : row + 1, :, :S], v_all[row : row + 1, :, :S],
+                attn_mask=mask[b : b + 1, :, :n, :S], scale=self.scale, enable_gqa=self.nkv != self.nh)
+        short = [b for b, n in enumerate(lengths) if n < WIDE_ROWS]
+        if short:
+            idx = torch.tensor(short, device=q.device)
+            out[idx] = self.masked_attention(q[idx], k_all, v_all, batch.row_index[idx], mask[idx, 0], self.scale)
+        return out
 
     def _capped_attention(self, q, keys, values, mask):
         """Soft-capped scores need the scores themselves, so no fused kernel here."""
@@ -163,6 +190,16 @@ class Gemma3ForCausalLM(DecoderBase):
         self.register_buffer("global_inv_freq", None, persistent=False)  # [hd / 2] float64
         self.register_buffer("local_inv_freq", None, persistent=False)
         self.init_rope()
+
+    def use_chain_attention_kernel(self, kernel) -> None:
+        """Attention of short rows one query at a time under its mask (the compiled kernel,
+        float32 K/V): scoring k drafted tokens gives each the bits plain decoding would."""
+        for layer in self.model.layers:
+            layer.self_attn.masked_attention = getattr(kernel, "attend_masked", None)
+
+    def use_int8_kernels(self, kernel) -> None:
+        """For the int8 and int4 models: the per-query attention (Gemma's norms stay in torch)."""
+        self.use_chain_attention_kernel(kernel)
 
     def init_rope(self):
         """(Re)compute the RoPE frequencies; a model built on the meta device needs this once loaded."""
