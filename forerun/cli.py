@@ -17,7 +17,7 @@ DEFAULT_PROMPT = (
 
 
 MODELS = "model folder, .gguf file, hub id, or embedded name: smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b"
-DTYPES = ["float32", "bfloat16", "int8", "int4"]
+DTYPES = ["auto", "gguf", "float32", "bfloat16", "int8", "int4"]
 PROMPT_SETS = ("spec_bench[:mt_bench|translation|summarization|qa|math_reasoning|rag], humaneval, svamp, vicuna, "
                "or a .jsonl path; read from --data-dir, else $FORERUN_DATA_DIR, else ../shared/data/prompts")
 
