@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forerun.errors import ConfigError
+from forerun.errors import ConfigError, did_you_mean
+from forerun.methods import METHODS, NONE
 
 DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "float64", "gguf")
 # "auto": gguf (the file's own quantized blocks) for a model loaded from a quantized GGUF on the
@@ -52,10 +53,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TypicalRule:
+    """Medusa's typical acceptance (Cai et al. 2024). LOSSY: the output no longer follows the
+    verifier's distribution. A drafted token x is kept where the verifier finds it typical
+    enough, p(x) > min(epsilon, alpha * exp(-H(p))), whatever the drafter's q; the token
+    after the kept prefix is drawn from p itself. Under greedy decoding forerun never uses
+    it (greedy verification is exact and as fast)."""
+
+    epsilon: float = 0.09  # the threshold's cap (Medusa's posterior_threshold)
+    alpha: float = 0.3  # scales exp(-entropy) (Medusa: sqrt(epsilon))
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Which drafter proposes tokens and how many per step.
 
-    method: a name in the drafter registry ("ngram", "draft_model"), or None for plain decoding.
+    method: a name in forerun/methods.py ("ngram", "draft_model", ...), or None for plain decoding.
     num_speculative_tokens: k, the longest draft per verifier forward (0 = plain decoding), or
         "auto": each row picks k in [0, options["k_max"]] every step (forerun/adaptive.py).
     draft_model: path / hub id / "default" for method="draft_model", or an already built LLM-like
@@ -79,7 +92,7 @@ class SpeculativeConfig:
     lookahead_ngram: int = 3  # lookahead: n-gram size N gathered from the iterations
     lookahead_pool: int = 4  # lookahead: pool candidates G verified per step
     # "exact" (rejection sampling: the verifier's distribution) or "typical_lossy" (Medusa's
-    # typical acceptance, verify.TypicalRule: more tokens kept when sampling, output law changed;
+    # typical acceptance, TypicalRule below: more tokens kept when sampling, output law changed;
     # options["typical_epsilon"], options["typical_alpha"]). Greedy decoding is exact either way.
     acceptance: str = "exact"
     options: dict = field(default_factory=dict)  # drafter-specific extras, by name
@@ -98,11 +111,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "skip_layers", tuple(sorted(set(int(i) for i in self.skip_layers))))
         if self.ngram_branches < 1 or self.tree_width < 1:
             raise ConfigError("ngram_branches and tree_width must be >= 1")
-        if self.method is not None:
-            from forerun.drafters.base import available_methods  # (imports the drafters: only when one is named)
-
-            if self.method not in available_methods():
-                raise ConfigError(f"unknown speculative method {self.method!r}; available: {available_methods()}")
+        if self.method is not None and (self.method == NONE or self.method not in METHODS):
+            plain = " (plain decoding is method=None)" if self.method == NONE else did_you_mean(self.method, METHODS)
+            raise ConfigError(f"unknown speculative method {self.method!r}; available: {sorted(set(METHODS) - {NONE})}{plain}")
         draft_vocab = self.options.get("draft_vocab")
         if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 2):
             raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores), got {draft_vocab!r}")
@@ -125,12 +136,10 @@ class SpeculativeConfig:
         return self.num_speculative_tokens == "auto"
 
     @property
-    def typical_rule(self):
-        """The verify.TypicalRule of acceptance="typical_lossy", else None (exact)."""
+    def typical_rule(self) -> TypicalRule | None:
+        """The TypicalRule of acceptance="typical_lossy", else None (exact)."""
         if self.acceptance != "typical_lossy":
             return None
-        from forerun.verify import TypicalRule
-
         return TypicalRule(self.options.get("typical_epsilon", 0.09), self.options.get("typical_alpha", 0.3))
 
     @property

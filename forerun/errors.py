@@ -15,3 +15,14 @@ class ConfigError(ForerunError):
 
 class ContextLengthError(ForerunError):
     """A prompt that does not fit the model's context."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """' (did you mean X?)' for the closest of `choices` (difflib), else ''; for messages.
+    >>> did_you_mean("smollm-135m", ["smollm2-135m", "gemma3-270m"]), did_you_mean("zzz", ["ngram"])
+    (" (did you mean 'smollm2-135m'?)", '')
+    """
+    import difflib
+
+    close = difflib.get_close_matches(str(word).lower(), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig, check_dtype
-from forerun.drafters.base import Drafter, build_drafter
+from forerun.drafters.base import Drafter
 from forerun.engine import GenerateJob, generate
 from forerun.errors import ConfigError, ContextLengthError
 from forerun.metrics import SpecStats
@@ -168,6 +168,8 @@ class LLM:
     def _drafter(self, spec: SpeculativeConfig) -> Drafter:
         """Built once per config object; only the latest is kept (a draft model is big)."""
         if self._drafter_cache is None or self._drafter_cache[0] is not spec:
+            from forerun.drafters import build_drafter  # (imports every drafter: only when one is used)
+
             self._drafter_cache = (spec, build_drafter(spec.method, spec=spec, verifier=self))
         return self._drafter_cache[1]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun.config import TypicalRule
 from forerun.sampling import sample
 
 
@@ -163,18 +164,6 @@ def _pick_child(kids, tokens, draft_probs, p: torch.Tensor, generator):
             nxt = r
         r = nxt / nxt.sum()
     return None, r
-
-
-@dataclass(frozen=True)
-class TypicalRule:
-    """Medusa's typical acceptance (Cai et al. 2024). LOSSY: the output no longer follows the
-    verifier's distribution. A drafted token x is kept where the verifier finds it typical
-    enough, p(x) > min(epsilon, alpha * exp(-H(p))), whatever the drafter's q; the token
-    after the kept prefix is drawn from p itself. Under greedy decoding forerun never uses
-    it (greedy verification is exact and as fast)."""
-
-    epsilon: float = 0.09  # the threshold's cap (Medusa's posterior_threshold)
-    alpha: float = 0.3  # scales exp(-entropy) (Medusa: sqrt(epsilon))
 
 
 def typical_threshold(probs: torch.Tensor, rule: TypicalRule) -> torch.Tensor:

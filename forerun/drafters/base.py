@@ -13,8 +13,8 @@ from typing import Callable, Protocol
 import torch
 
 from forerun.config import SamplingParams
-from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache
+from forerun.methods import METHODS
 
 
 @dataclass
@@ -121,24 +121,13 @@ DrafterFactory = Callable[..., Drafter]
 _REGISTRY: dict[str, DrafterFactory] = {}
 
 
-def register(name: str):
+def register(name: str, about: str = "a drafter registered at run time"):
+    """Decorator: `factory` builds the drafter of method `name` (drafters/__init__.build_drafter
+    calls it). A built-in method's line is in forerun/methods.py; another one gets `about`."""
+
     def deco(factory: DrafterFactory) -> DrafterFactory:
         _REGISTRY[name] = factory
+        METHODS.setdefault(name, about)
         return factory
 
     return deco
-
-
-def build_drafter(name: str, **kwargs) -> Drafter:
-    """kwargs: verifier (the LLM), spec (SpeculativeConfig), plus anything a factory needs."""
-    from forerun import drafters  # noqa: F401  (importing the package registers the drafters)
-
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown speculative method {name!r}; available: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
-
-
-def available_methods() -> list[str]:
-    from forerun import drafters  # noqa: F401
-
-    return sorted(_REGISTRY)

@@ -227,16 +227,14 @@ def _same_vocab(a, b) -> bool:
 
 @register("draft_model")
 def _make(spec, verifier, **_) -> DraftModelDrafter:
-    from forerun.llm import LLM
-
     src = spec.draft_model
     if src is None:
         raise ConfigError("method 'draft_model' needs draft_model= (a model folder, .gguf, hub id or LLM)")
-    if isinstance(src, LLM):
+    if hasattr(src, "model") and hasattr(src, "tokenizer"):  # an LLM already built
         draft = src
-    else:
+    else:  # loaded as the verifier was (its class: forerun.llm.LLM), so drafters never import the LLM
         dtype = spec.draft_dtype or ("auto" if verifier.dtype == "gguf" else verifier.dtype)  # a GGUF drafter's own blocks
-        draft = LLM(model=src, dtype=dtype, speculative=None, device=verifier.model.device)
+        draft = type(verifier)(model=src, dtype=dtype, speculative=None, device=verifier.model.device)
     if draft.model.device != verifier.model.device:
         raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")
     if _same_vocab(draft, verifier):
