@@ -7,7 +7,7 @@ alone vs batched with others). oneDNN picks its int8 kernel by CPU: with AMX its
 epilogue rounds like fbgemm's; on an AVX512-VNNI Xeon without AMX about 29% of outputs
 differ in the last bit. So oneDNN is used only where a probe finds it exact here; otherwise
 the few-token path (forerun's kernel, or fbgemm) serves every size, at about the same
-speed on such CPUs (measured in the README).
+speed on such CPUs (measured in docs/results.md).
 
 FORERUN_INT8_WIDE=onednn|kernel|fbgemm forces a choice (to measure it, or to show that the
 bit-level tests fail with the wrong one).
