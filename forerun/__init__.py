@@ -10,6 +10,7 @@ _EXPORTS = {
     "SamplingParams": "forerun.config",
     "SpeculativeConfig": "forerun.config",
     "ForerunError": "forerun.errors",
+    "Logprob": "forerun.logprobs",
 }
 __all__ = list(_EXPORTS)
 

@@ -30,6 +30,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities (vLLM's fields): for each generated / prompt token its raw log-probability
+    # and those of the N most likely tokens (forerun/logprobs.py); None = not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +50,10 @@ class SamplingParams:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        from forerun.logprobs import check_count
+
+        check_count("logprobs", self.logprobs)
+        check_count("prompt_logprobs", self.prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

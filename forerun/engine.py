@@ -17,6 +17,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv_cache import KVCache, chain_batch, tree_batch
+from forerun.logprobs import sequence_logprobs
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes
 from forerun.sampling import logits_to_probs, make_generator
@@ -32,6 +33,8 @@ class Sequence:
     max_new: int
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None  # "stop" (EOS / stop string) or "length"
+    logprobs: list | None = None  # one TokenLogprobs per generated token, when asked for (top_logprobs)
+    top_logprobs: int | None = None  # N alternatives per token; None = no logprobs kept
 
     @property
     def generated(self) -> list[int]:
@@ -61,6 +64,9 @@ class GenerateJob:
 @torch.inference_mode()
 def generate(model, job: GenerateJob) -> list[Sequence]:
     seqs = [Sequence(i, list(p), len(p), m) for i, (p, m) in enumerate(zip(job.prompts, job.max_new))]
+    if job.params.logprobs is not None:
+        for s in seqs:
+            s.logprobs, s.top_logprobs = [], job.params.logprobs
     capacity = max(len(s.tokens) + s.max_new for s in seqs) + _max_draft_nodes(job) + 1
     cache = model.new_cache(len(seqs), capacity)
     generator = make_generator(job.params.seed, model.device)
@@ -116,9 +122,10 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     _observe_hidden(job, active, out.hidden, paths)
     _learn(job, active, drafts, num_accepted, t1 - t0)
     t2 = time.perf_counter()
-    for s, d, n, nxt in zip(active, drafts, num_accepted, next_tokens):
+    for i, (s, d, n, nxt) in enumerate(zip(active, drafts, num_accepted, next_tokens)):
         s.stats.record_step(len(d.tokens), n)
-        _commit(s, d.tokens[:n] + [nxt], job, cache, draft_s=t1 - t0, verify_s=t2 - t1)
+        emitted = d.tokens[:n] + [nxt]
+        _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i, : n + 1], emitted))
         _mark(s, bool(d.tokens), n, at_end=n == len(d.tokens))
 
 
@@ -146,13 +153,15 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
     _observe_hidden(job, active, out.hidden, [r.path for r in results])
     _learn(job, active, drafts, [len(r.path) for r in results], t1 - t0)
     t2 = time.perf_counter()
-    for s, d, start, r in zip(active, drafts, starts, results):
+    for i, (s, d, start, r) in enumerate(zip(active, drafts, starts, results)):
         src = [start + 1 + n for n in r.path]
         dst = list(range(start + 1, start + 1 + len(r.path)))
         if src != dst:
             cache.move(s.row, src, dst)
         s.stats.record_step(d.depth(), len(r.path), bonus=r.at_leaf and bool(d.tokens))
-        _commit(s, [d.tokens[n] for n in r.path] + [r.next_token], job, cache, draft_s=t1 - t0, verify_s=t2 - t1)
+        emitted = [d.tokens[n] for n in r.path] + [r.next_token]
+        rows = [0] + [n + 1 for n in r.path]  # each emitted token was predicted at its parent's row
+        _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i, rows], emitted))
         _mark(s, bool(d.tokens), len(r.path), at_end=r.at_leaf)
 
 
@@ -236,13 +245,25 @@ def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, g
     return rejection_verify(tokens, lens, q, logits_to_probs(logits, params), generator)
 
 
-def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache, draft_s: float, verify_s: float):
-    """Append emitted tokens one by one until EOS, a stop string or the token budget;
-    charge the step's drafting and verification time (shared by the batch) to the row."""
+def _scored(s: Sequence, logits: torch.Tensor, emitted: list[int]) -> list | None:
+    """The emitted tokens' logprobs (logits [len(emitted), V]: the row that predicted each),
+    when the sequence keeps them; nothing is computed otherwise."""
+    if s.top_logprobs is None:
+        return None
+    return sequence_logprobs(logits, emitted, s.top_logprobs)
+
+
+def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache, draft_s: float, verify_s: float,
+            scored: list | None = None):
+    """Append emitted tokens one by one until EOS, a stop string or the token budget (and
+    their logprobs, `scored`, when kept); charge the step's drafting and verification time
+    (shared by the batch) to the row."""
     s.stats.draft_time += draft_s
     s.stats.verify_time += verify_s
-    for tok in emitted:
+    for j, tok in enumerate(emitted):
         s.tokens.append(tok)
+        if scored is not None:
+            s.logprobs.append(scored[j])
         if tok in job.eos_ids and not job.params.ignore_eos:
             s.finish_reason = "stop"
         elif job.should_stop is not None and job.should_stop(s.row, s.generated):

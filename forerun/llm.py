@@ -12,6 +12,7 @@ from forerun.config import SamplingParams, SpeculativeConfig, check_dtype
 from forerun.drafters.base import Drafter
 from forerun.engine import GenerateJob, generate
 from forerun.errors import ConfigError, ContextLengthError
+from forerun.logprobs import TokenLogprobs, check_count, prompt_logprobs, with_text
 from forerun.metrics import SpecStats
 from forerun.streaming import TextStream, stop_index
 
@@ -28,6 +29,12 @@ class CompletionOutput:
     # Why a "length" finish stopped: "max_tokens" (as asked) or "context" (the model's context
     # filled up before max_tokens); None for "stop".
     finish_detail: str | None = None
+    # SamplingParams(logprobs=N): one {token id: Logprob} per generated token (the chosen one and
+    # the N most likely, raw log-probabilities: forerun/logprobs.py), and their sum.
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    # SamplingParams(prompt_logprobs=N): the same per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -93,7 +100,23 @@ class LLM:
             job.should_stop = lambda i, gen: stop_index(self._decode(gen[-tail:]), params.stop) is not None
         if stream is not None:
             job.on_tokens = TextStream(self._decode, params.stop, stream).update
-        return [self._output(s, params) for s in generate(self.model, job)]
+        outs = [self._output(s, params) for s in generate(self.model, job)]
+        if params.prompt_logprobs is not None:
+            for out in outs:
+                out.prompt_logprobs = self.score_prompt(out.prompt_token_ids, params.prompt_logprobs)
+        return outs
+
+    def score_prompt(self, ids: list[int], top: int = 0) -> list[TokenLogprobs | None]:
+        """Teacher-forced logprobs of a token-id sequence: None for the first token, then each
+        token's raw log-probability under the model given the tokens before it, with the `top`
+        most likely alternatives (vLLM's prompt_logprobs)."""
+        check_count("prompt_logprobs", top)
+        (ids,) = self.encode([ids])
+        if len(ids) > self.max_context:
+            raise ContextLengthError(f"prompt is {len(ids)} tokens; the model's context is {self.max_context} tokens")
+        with torch.inference_mode():
+            logits = self.model.score(ids)
+        return with_text(prompt_logprobs(logits, ids, top), self._piece)
 
     def chat(self, messages, sampling_params=None, speculative=_DEFAULT, stream=None) -> list[CompletionOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of them."""
@@ -182,8 +205,16 @@ class LLM:
         detail = None
         if s.finish_reason == "length":
             detail = "context" if len(s.generated) < params.max_tokens else "max_tokens"
-        return CompletionOutput(s.tokens[: s.prompt_len], s.generated, text if cut is None else text[:cut], s.finish_reason,
-                                s.stats, detail)
+        out = CompletionOutput(s.tokens[: s.prompt_len], s.generated, text if cut is None else text[:cut], s.finish_reason,
+                               s.stats, detail)
+        if s.logprobs is not None:
+            out.logprobs = with_text(s.logprobs, self._piece)
+            out.cumulative_logprob = sum(e[t].logprob for e, t in zip(s.logprobs, s.generated))
+        return out
+
+    def _piece(self, token: int) -> str:
+        """One token's own text (special tokens included), for Logprob.decoded_token."""
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else ""
 
     def _need_tokenizer(self):
         if self.tokenizer is None:

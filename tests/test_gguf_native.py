@@ -286,3 +286,16 @@ def test_a_hf_folder_refuses_gguf(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="GGUF"):
         load_model(tmp_path, "gguf")
+
+
+def test_gguf_speculative_logprobs_equal_plain(tiny_gguf, verifier):
+    """The logprobs are the verifier's, bit for bit: drafted or not, chain or tree."""
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=3)
+    plain = verifier.generate(PROMPTS, params, speculative=None)
+    for spec in (SpeculativeConfig("ngram", 4, ngram_max=3), SpeculativeConfig("ngram", 4, ngram_max=3, ngram_branches=3)):
+        outs = verifier.generate(PROMPTS, params, speculative=spec)
+        assert merge([o.stats for o in outs]).drafted > 0
+        for a, b in zip(outs, plain):
+            assert a.token_ids == b.token_ids
+            assert [{t: (x.logprob, x.rank) for t, x in e.items()} for e in a.logprobs] == \
+                   [{t: (x.logprob, x.rank) for t, x in e.items()} for e in b.logprobs]
