@@ -48,12 +48,17 @@ def request_k(body: Sampling, limits: Limits) -> int:
     return limits.k_max if spec.k is None else min(spec.k, limits.k_max)
 
 
-def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: Limits, sink) -> ServeRequest:
+def prompt_ids(llm, body: Sampling, prompt, limits: Limits) -> list[int]:
     check_model(body, limits)
     try:
-        ids = llm.encode(prompt)[0]
+        return llm.encode(prompt)[0]
     except ForerunError as e:
         raise ApiError(400, str(e), param="prompt") from e
+
+
+def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: Limits, sink,
+                  logprobs: int | None = None) -> ServeRequest:
+    ids = prompt_ids(llm, body, prompt, limits)
     room = limits.max_len - len(ids)
     if room < 1:
         raise ApiError(400, f"prompt is {len(ids)} tokens; this server's context is {limits.max_len} tokens",
@@ -64,7 +69,7 @@ def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: L
                        code="context_length_exceeded", param="max_tokens")
     try:
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=wanted,
-                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=logprobs)
     except ForerunError as e:
         raise ApiError(400, str(e)) from e
     return ServeRequest(ids, params, wanted, request_k(body, limits), sink)

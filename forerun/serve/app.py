@@ -9,10 +9,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from forerun.serve.admission import ApiError, Limits, build_request, check_model
+from forerun.serve.admission import ApiError, Limits, build_request, check_model, prompt_ids
 from forerun.serve.metrics import ServeMetrics
 from forerun.serve.request import Event, ServeRequest
-from forerun.serve.responses import DONE, Shape, sse
+from forerun.serve.responses import DONE, Echo, Shape, sse
 from forerun.serve.scheduler import QueueFull, Scheduler, TooLarge
 from forerun.serve.schemas import ChatRequest, CompletionRequest
 
@@ -71,18 +71,39 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
     st = request.app.state
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
-    req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue))
+    n_logprobs = body.logprob_count() if chat else body.logprobs
+    echo = None if chat else await _echo(st, body, prompt, loop)
+    if echo is not None and max_tokens == 0:  # score the prompt only (lm-eval's log-likelihood)
+        shape = Shape(chat, st.limits.model_names[0], len(echo.ids), echo=echo, logprob_n=n_logprobs)
+        return JSONResponse(shape.full("", Event(finish_reason="length"), []))
+    req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue), logprobs=n_logprobs)
     try:
         st.scheduler.submit(req)
     except QueueFull as e:
         raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full") from e
     except TooLarge as e:
         raise ApiError(400, str(e), code="context_length_exceeded", param="max_tokens") from e
-    shape = Shape(chat, st.limits.model_names[0], len(req.prompt))
+    shape = Shape(chat, st.limits.model_names[0], len(req.prompt), echo=echo, logprob_n=n_logprobs)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(st.scheduler, req, queue, shape, usage), media_type="text/event-stream")
     return await _collect(request, st.scheduler, req, queue, shape)
+
+
+async def _echo(st, body, prompt, loop) -> Echo | None:
+    """A completion's echo: the prompt's text and, with logprobs, its tokens' logprobs (scored
+    off the event loop, beside the engine thread: the model's forward keeps no state)."""
+    if not body.echo:
+        return None
+    ids = prompt_ids(st.llm, body, prompt, st.limits)
+    if len(ids) > st.limits.max_len:
+        raise ApiError(400, f"prompt is {len(ids)} tokens; this server's context is {st.limits.max_len} tokens",
+                       code="context_length_exceeded", param="prompt")
+    text = prompt if isinstance(prompt, str) else st.llm.tokenizer.decode(ids, skip_special_tokens=False)
+    entries = None
+    if body.logprobs is not None:
+        entries = await loop.run_in_executor(None, st.llm.score_prompt, ids, body.logprobs)
+    return Echo(ids, text, entries, st.llm._piece)
 
 
 def _sink(loop, queue: asyncio.Queue):
@@ -102,12 +123,13 @@ async def _stream(scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue,
             if ev.error:
                 yield sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}})
                 break
-            if ev.text or (first and shape.chat):
-                yield shape.chunk(ev.text, first=first)
-                first = False
+            entries = ev.logprobs  # the tokens generated since the last event: with this event's text
+            if ev.text or (first and (shape.chat or shape.echo is not None)):
+                yield shape.chunk(ev.text, first=first, logprobs=entries)
+                first, entries = False, None
             if ev.finish_reason:
                 done = True
-                yield shape.chunk("", ev.finish_reason)
+                yield shape.chunk("", ev.finish_reason, logprobs=entries)
                 if usage:
                     yield shape.usage_chunk(ev)
         yield DONE
@@ -120,7 +142,7 @@ async def _stream(scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue,
 
 async def _collect(request: Request, scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue, shape: Shape):
     """The whole completion; polls for a client disconnect while waiting (then cancels)."""
-    parts, done = [], False
+    parts, entries, done = [], [], False
     try:
         while True:
             try:
@@ -133,9 +155,10 @@ async def _collect(request: Request, scheduler: Scheduler, req: ServeRequest, qu
                 done = True
                 return JSONResponse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}}, 500)
             parts.append(ev.text)
+            entries.extend(ev.logprobs or [])
             if ev.finish_reason:
                 done = True
-                return JSONResponse(shape.full("".join(parts), ev))
+                return JSONResponse(shape.full("".join(parts), ev, entries))
     finally:
         if not done:
             req.cancel()

@@ -22,6 +22,7 @@ class Event:
     completion_tokens: int = 0  # generated so far
     stats: SpecStats | None = None  # on the last event
     token_ids: list[int] | None = None  # [n] every generated id, on the last event
+    logprobs: list | None = None  # TokenLogprobs of the tokens generated since the previous event (when asked)
 
 
 @dataclass

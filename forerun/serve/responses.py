@@ -5,8 +5,20 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
+from forerun.serve.logprob_format import chat_logprobs, completion_logprobs
 from forerun.serve.request import Event
+
+
+@dataclass
+class Echo:
+    """A completion's echoed prompt: its ids, text and (with logprobs) its TokenLogprobs."""
+
+    ids: list[int]
+    text: str
+    entries: list | None  # [len(ids)]: None first, then TokenLogprobs; None without logprobs
+    piece: Callable[[int], str]  # token id -> its text
 
 
 @dataclass
@@ -18,9 +30,28 @@ class Shape:
     prompt_tokens: int
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: Echo | None = None  # completions with echo: the prompt comes first
+    logprob_n: int | None = None  # top alternatives per token; None = no logprobs in the response
+    _offset: int = 0  # completions: text_offset of the next streamed token
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+    def _logprobs(self, entries: list | None, first: bool) -> dict | None:
+        """This piece of the response's logprobs (first: the echoed prompt's come before)."""
+        if self.logprob_n is None:
+            return None
+        entries = entries or []
+        if self.chat:
+            return chat_logprobs(entries, self.logprob_n)
+        if first and self.echo is not None:
+            head = completion_logprobs(self.echo.entries, self.echo.ids, self.echo.piece)
+            self._offset = len(self.echo.text)
+        else:
+            head = completion_logprobs([], [], None)
+        tail = completion_logprobs(entries, [next(iter(e)) for e in entries], None, self._offset)
+        self._offset = tail["text_offset"][-1] + len(tail["tokens"][-1]) if entries else self._offset
+        return {key: head[key] + tail[key] for key in head}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -29,24 +60,30 @@ class Shape:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def full(self, text: str, last: Event) -> dict:
+    def full(self, text: str, last: Event, entries: list | None = None) -> dict:
+        """The whole response; entries: every generated token's TokenLogprobs (when asked)."""
+        logprobs = self._logprobs(entries, first=True)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": last.finish_reason}
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            text = (self.echo.text if self.echo is not None else "") + text
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             body = self._head("text_completion")
         body.update(choices=[choice], usage=self.usage(last.completion_tokens), forerun=spec_summary(last))
         return body
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> str:
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, logprobs: list | None = None) -> str:
+        """One SSE chunk; logprobs: the TokenLogprobs of the tokens this chunk's text came from."""
+        lp = self._logprobs(logprobs, first) if (logprobs or (first and self.echo is not None)) else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            text = (self.echo.text if first and self.echo is not None else "") + text
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
         return sse(body)

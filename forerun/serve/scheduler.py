@@ -22,6 +22,7 @@ import torch
 from forerun import engine
 from forerun.config import SpeculativeConfig
 from forerun.errors import ForerunError
+from forerun.logprobs import with_text
 from forerun.sampling import make_generator
 from forerun.serve.batch_k import BatchK
 from forerun.serve.blocks import BlockAllocator, BlockTable
@@ -157,10 +158,13 @@ class Scheduler:
         if release is not None:
             release(row)
         seq = engine.Sequence(row, list(req.prompt), len(req.prompt), req.max_new)
+        if req.params.logprobs is not None:
+            seq.logprobs, seq.top_logprobs = [], req.params.logprobs
         self.sync_table(row, table.blocks)
-        emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated)))  # noqa: E731
+        emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated), logprobs=_new_logprobs(live)))  # noqa: E731
         stream = TextStream(self.llm._decode, req.params.stop, emit)
-        return Live(req, seq, table, stream, time.perf_counter())
+        live = Live(req, seq, table, stream, time.perf_counter(), piece=self.llm._piece)
+        return live
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -190,6 +194,7 @@ class Scheduler:
         self.sync_table(lv.seq.row, [])
         self.free_rows.append(lv.seq.row)
         last.completion_tokens, last.stats, last.token_ids = len(lv.seq.generated), lv.seq.stats, lv.seq.generated
+        last.logprobs = _new_logprobs(lv)
         if self.metrics:
             self.metrics.on_finish(lv, last)
         lv.req.sink(last)
@@ -216,3 +221,13 @@ class Scheduler:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for r in waiting:
             r.sink(Event(error=message))
+
+
+def _new_logprobs(lv: Live) -> list | None:
+    """The logprobs (with their tokens' text) of the tokens generated since the last event that
+    carried some; None when the request did not ask for them."""
+    if lv.seq.logprobs is None:
+        return None
+    fresh = lv.seq.logprobs[lv.logprobs_sent :]
+    lv.logprobs_sent += len(fresh)
+    return with_text(fresh, lv.piece)

@@ -1,6 +1,6 @@
 """OpenAI request bodies, validated strictly: an unknown field or an absurd value is a 400
 with an OpenAI-style error body, never a 500. Fields OpenAI defines but forerun does not
-implement are accepted only at their neutral value (n = 1, penalties 0, no logprobs)."""
+implement are accepted only at their neutral value (n = 1, penalties 0)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
+MAX_LOGPROBS = 20  # forerun.logprobs.MAX_LOGPROBS (not imported: this module stays torch-free)
 
 
 class Strict(BaseModel):
@@ -65,10 +66,17 @@ class Sampling(Strict):
 
 class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
-    echo: Literal[False] = False
-    logprobs: None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (score the prompt)
+    echo: bool = False  # the prompt's text (and its tokens' logprobs) before the completion
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # N alternatives per token
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo (to score the prompt); send at least 1")
+        return self
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -96,7 +104,17 @@ class Message(Strict):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None  # each generated token's logprob...
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # ...and the N most likely
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -27,6 +27,8 @@ class Live:
     stream: TextStream
     t_admit: float  # perf_counter at admission
     generator: torch.Generator | None = None  # seeded sampling only
+    logprobs_sent: int = 0  # seq.logprobs already handed to the consumer
+    piece: object = None  # token id -> its text (Logprob.decoded_token), when logprobs are kept
 
 
 @dataclass
