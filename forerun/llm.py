@@ -142,6 +142,8 @@ class LLM:
             if not isinstance(p, (str, list, tuple)) or (not isinstance(p, str) and not all(map(_is_token_id, p))):
                 raise ConfigError(f"prompts must be {accepted}; got an element of type {type(p).__name__}")
             if isinstance(p, str):
+                if not p:  # (a tokenizer that adds BOS would make a one-token prompt of it)
+                    raise ConfigError("empty prompt: give the text to continue")
                 self._need_tokenizer()
                 p = self.tokenizer.encode(p, add_special_tokens=not _starts_with_special(p, self.tokenizer))
             p = [int(t) for t in p]
