@@ -124,3 +124,28 @@ def test_metrics_report_speculation(server, client):
                  "forerun_mean_accepted_length", "forerun_step_seconds_bucket", "forerun_kv_blocks_used"):
         assert name in text, name
     assert 'forerun_position_drafted_total{position="1"}' in text
+
+
+def test_malformed_json_says_what_is_wrong_and_where(server):
+    with server.client() as c:
+        r = c.post("/v1/completions", content=b'{"prompt": "x",\n "max_tokens": }', headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None, r.text
+    assert err["message"] == "the body is not valid JSON: Expecting value at line 2, column 16 (character 31)"
+
+
+def test_empty_prompts_are_refused(server):
+    with server.client() as c:
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "  "}]})
+        raw = c.post("/v1/completions", json={"prompt": ""})
+    assert chat.status_code == 400 and chat.json()["error"]["message"] == "every message is empty: nothing to answer"
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "prompt"
+
+
+def test_a_k_above_the_servers_is_clamped_and_said(client):  # the server's k is 4
+    kw = dict(model=NAME, prompt="121212121212", max_tokens=12, temperature=0)
+    clamped = client.completions.create(extra_body={"speculative": {"k": 9}}, **kw).model_extra["forerun"]
+    assert clamped["notes"] == ["speculative.k 9 is above this server's k (4): clamped to 4"] and clamped["drafted"] > 0
+    assert "notes" not in client.completions.create(extra_body={"speculative": {"k": 3}}, **kw).model_extra["forerun"]
+    chunks = list(client.completions.create(stream=True, extra_body={"speculative": {"k": 9}}, **kw))
+    assert chunks[-1].model_extra["forerun"]["notes"] == clamped["notes"]

@@ -48,6 +48,14 @@ def request_k(body: Sampling, limits: Limits) -> int:
     return limits.k_max if spec.k is None else min(spec.k, limits.k_max)
 
 
+def k_note(body: Sampling, limits: Limits) -> str | None:
+    """What the response's `forerun` field says when request_k cut the k the request asked for."""
+    spec = body.speculative
+    if spec is None or spec.k is None or spec.method == "none" or limits.method is None or spec.k <= limits.k_max:
+        return None
+    return f"speculative.k {spec.k} is above this server's k ({limits.k_max}): clamped to {limits.k_max}"
+
+
 def prompt_ids(llm, body: Sampling, prompt, limits: Limits) -> list[int]:
     check_model(body, limits)
     try:

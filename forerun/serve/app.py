@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from forerun.serve.admission import ApiError, Limits, build_request, check_model, prompt_ids
+from forerun.serve.admission import ApiError, Limits, build_request, check_model, k_note, prompt_ids
 from forerun.serve.metrics import ServeMetrics
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.responses import DONE, Echo, Shape, sse
@@ -42,6 +42,8 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics) 
     async def chat(body: ChatRequest, request: Request):
         check_model(body, limits)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if not any(m["content"].strip() for m in messages):
+            raise ApiError(400, "every message is empty: nothing to answer", param="messages")
         try:
             prompt = llm.apply_chat_template(messages)
         except Exception as e:  # a template that refuses a role order, a model without a template
@@ -83,7 +85,8 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
         raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full") from e
     except TooLarge as e:
         raise ApiError(400, str(e), code="context_length_exceeded", param="max_tokens") from e
-    shape = Shape(chat, st.limits.model_names[0], len(req.prompt), echo=echo, logprob_n=n_logprobs)
+    shape = Shape(chat, st.limits.model_names[0], len(req.prompt), echo=echo, logprob_n=n_logprobs,
+                  notes=tuple(n for n in [k_note(body, st.limits)] if n))
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(st.scheduler, req, queue, shape, usage), media_type="text/event-stream")
@@ -177,6 +180,8 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_req, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # loc is ("body", character offset): say where, as a line and column
+            return error(400, _json_problem(e.body, first))
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')} ({len(e.errors())} problem(s))", param=where)
 
@@ -184,3 +189,15 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     async def http_error(_req, e: HTTPException):
         return error(e.status_code, str(e.detail), code=str(e.status_code))
 
+
+def _json_problem(body, problem: dict) -> str:
+    """'the body is not valid JSON: Expecting value at line 2, column 8' from FastAPI's json_invalid error."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body or "")
+    loc = problem.get("loc", ())
+    pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    what = (problem.get("ctx") or {}).get("error") or problem.get("msg", "JSON decode error")
+    if pos is None:
+        return f"the body is not valid JSON: {what}"
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return f"the body is not valid JSON: {what} at line {line}, column {column} (character {pos})"

@@ -33,6 +33,7 @@ class Shape:
     echo: Echo | None = None  # completions with echo: the prompt comes first
     logprob_n: int | None = None  # top alternatives per token; None = no logprobs in the response
     _offset: int = 0  # completions: text_offset of the next streamed token
+    notes: tuple[str, ...] = ()  # what the server changed in the request (a clamped k), in the `forerun` field
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -71,7 +72,7 @@ class Shape:
             text = (self.echo.text if self.echo is not None else "") + text
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             body = self._head("text_completion")
-        body.update(choices=[choice], usage=self.usage(last.completion_tokens), forerun=spec_summary(last))
+        body.update(choices=[choice], usage=self.usage(last.completion_tokens), forerun=self.forerun(last))
         return body
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, logprobs: list | None = None) -> str:
@@ -86,12 +87,19 @@ class Shape:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
+        if finish_reason and self.notes:  # (streamed: the last chunk says it; the usage chunk too)
+            body["forerun"] = {"notes": list(self.notes)}
         return sse(body)
 
     def usage_chunk(self, last: Event) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body.update(choices=[], usage=self.usage(last.completion_tokens), forerun=spec_summary(last))
+        body.update(choices=[], usage=self.usage(last.completion_tokens), forerun=self.forerun(last))
         return sse(body)
+
+    def forerun(self, last: Event) -> dict | None:
+        """forerun's own field: the speculation summary and the notes."""
+        summary = spec_summary(last)
+        return {**(summary or {}), "notes": list(self.notes)} if self.notes else summary
 
 
 def spec_summary(last: Event) -> dict | None:
