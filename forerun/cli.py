@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from forerun.cli_args import (DTYPES, MODELS, HelpFormatter, Parser, add_common, configs, in_flags, int_list, load_llm,
+                              near_miss)
 from forerun.errors import ForerunError
 
 # A coding-assistant edit: the kind of request whose answer reuses its prompt, where prompt lookup pays.
@@ -15,67 +18,11 @@ DEFAULT_PROMPT = (
     "            best = n\n    return best"
 )
 
-
-MODELS = "model folder, .gguf file, hub id, or embedded name: smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b"
-DTYPES = ["auto", "gguf", "float32", "bfloat16", "int8", "int4"]
 PROMPT_SETS = ("spec_bench[:mt_bench|translation|summarization|qa|math_reasoning|rag], humaneval, svamp, vicuna, "
                "or a .jsonl path; read from --data-dir, else $FORERUN_DATA_DIR, else ../shared/data/prompts")
-
-
-def _k_arg(text: str):
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
-
-
-def _common(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=None, help=MODELS)
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="verifier precision; auto: gguf (the file's own quantized blocks) for a quantized GGUF model, else float32")
-    p.add_argument("--method", default="ngram",
-                   help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead, "
-                        "medusa, eagle, dflash (trained heads: --draft-model DIR from `forerun train`); none = plain")
-    p.add_argument("--k", type=_k_arg, default=5,
-                   help="speculative tokens per step (0 = plain decoding), or 'auto': chosen per step from measured acceptance and cost")
-    p.add_argument("--k-max", type=int, default=8, help="the longest draft under --k auto")
-    p.add_argument("--draft-model", default=None,
-                   help="draft model for --method draft_model (same forms as --model); the head folder for medusa / eagle / dflash")
-    p.add_argument("--draft-dtype", default=None, choices=DTYPES, help="draft model's precision (default: the verifier's; a gguf verifier's drafter: auto)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--ngram-max", type=int, default=4, help="ngram: longest n-gram matched in the context")
-    p.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest n-gram matched")
-    p.add_argument("--ngram-branches", type=int, default=1, help="ngram: verify up to N matches as a token tree")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft_model: score only the first N token ids (+ special tokens, + the ids of each row's prompt "
-                        "and output so far) in the drafter's head; heads: the ids they were trained over by default")
-    p.add_argument("--head-dtype", default=None, choices=["float32", "int8", "int4"],
-                   help="medusa / eagle / dflash: the head's layers and its reduced output head (--draft-vocab); draft_model: "
-                        "its reduced head (default: the verifier's / the draft model's dtype). Drafts only: the output stays exact")
-    p.add_argument("--tree-width", type=int, default=1,
-                   help="draft_model: candidates at the first position (a tree); medusa / eagle / dflash: top candidates per node (a tree of 16 nodes)")
-    p.add_argument("--draft-p-min", type=float, default=0.0,
-                   help="draft_model / quantized: stop a draft where the drafter's top token probability falls below this (0 = never)")
-    p.add_argument("--draft-lookup", type=int, default=0, metavar="N",
-                   help="draft_model: the first drafter forward also checks prompt lookup's guess (after the last N.."
-                        "--ngram-max tokens seen before): one forward drafts every guessed token the drafter agrees with (0 = off)")
-    p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
-    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
-    p.add_argument("--quant-bits", type=int, default=8, choices=[8, 4], help="quantized: the self-draft's weight bits (int8 or int4)")
-    p.add_argument("--lookahead-window", type=int, default=5, help="lookahead: Jacobi window (guesses per step)")
-    p.add_argument("--lookahead-ngram", type=int, default=3, help="lookahead: n-gram size gathered from the iterations")
-    p.add_argument("--lookahead-pool", type=int, default=4, help="lookahead: pool candidates verified per step")
-    p.add_argument("--acceptance", default="exact", choices=["exact", "typical_lossy"],
-                   help="exact: rejection sampling, the verifier's distribution; typical_lossy: Medusa's typical "
-                        "acceptance when sampling (more tokens kept, output distribution CHANGED)")
-    p.add_argument("--typical-epsilon", type=float, default=0.09,
-                   help="typical_lossy: keep x where p(x) > min(epsilon, sqrt(epsilon) * exp(-entropy))")
+# Where a command's files go unless told: one folder in the current one, named so it is plainly forerun's
+# (the checkout's .gitignore lists it).
+RUNS_DIR = "forerun-runs"
 
 
 class _Version(argparse.Action):
@@ -92,8 +39,8 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="forerun", description="Lossless speculative decoding.", formatter_class=fmt)
+    fmt = HelpFormatter
+    parser = Parser(prog="forerun", description="Lossless speculative decoding.", formatter_class=fmt)
     parser.add_argument("--version", action=_Version, help="versions, CPU features and the kernel paths in use, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     g = sub.add_parser("generate", formatter_class=fmt, help="stream one completion, then plain vs speculative stats")
@@ -103,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=2, help="timed plain/speculative pairs behind the speedup line (alternating)")
     g.add_argument("--show-drafts", action="store_true",
                    help="print the output coloured by where each token came from (accepted draft, recovered, bonus)")
-    _common(g)
+    add_common(g)
     c = sub.add_parser("compare", formatter_class=fmt, help="plain vs speculative on a prompt set, alternating runs")
     c.add_argument("--prompts", default="spec_bench:mt_bench", help=PROMPT_SETS)
     c.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
     c.add_argument("--limit", type=int, default=10, help="first N prompts of the set")
     c.add_argument("--json", action="store_true", help="print one JSON object")
-    _common(c)
+    add_common(c)
     t = sub.add_parser("tune-skip", formatter_class=fmt, help="search which layers the layer_skip drafter skips; saves a profile")
     t.add_argument("--model", default=None, help=MODELS)
     t.add_argument("--dtype", default="auto", choices=DTYPES, help="verifier precision (auto: gguf for a quantized GGUF model, else float32)")
@@ -126,12 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--tokens", default="1,2,4,6,8,12,16,32", help="comma-separated numbers of tokens scored per forward")
     o.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     o.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
-    o.add_argument("--plot", default="forerun-cost.png", help="PNG to write ('' for none)")
+    o.add_argument("--plot", default=f"{RUNS_DIR}/cost.png", help="PNG to write, its folder made if needed ('' for none)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
-    sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods")
+    sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods, a line on what each does")
     from forerun.bench.commands import add_parsers
 
-    add_parsers(sub, _common, fmt)  # bench, advise, drift, quality
+    add_parsers(sub, add_common, fmt, RUNS_DIR)  # bench, advise, drift, quality
     from forerun.train.command import add_parser as add_train
 
     add_train(sub, fmt)
@@ -139,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_distill(sub, fmt)
     v = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible HTTP server: continuous batching + speculation")
-    _common(v)
+    add_common(v)
     from forerun.serve.flags import add_arguments
 
     add_arguments(v)
@@ -154,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command == "methods":
-            from forerun.drafters import available_methods
+            from forerun.methods import lines
 
-            print("\n".join(available_methods()))
+            print("\n".join(lines()))
             return 0
         commands = {"generate": cmd_generate, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
         from forerun.bench.commands import cmd_advise, cmd_bench, cmd_drift, cmd_quality
@@ -176,60 +123,25 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_serve(args)
         return commands[args.command](args)
-    except ForerunError as e:
-        print(f"forerun: error: {e}", file=sys.stderr)
+    except ForerunError as e:  # worded in the flags the user typed (--max-new-tokens, not max_tokens)
+        print(f"forerun: error: {in_flags(str(e), _subparser(parser, args.command))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
 
 
-def _configs(args):
-    from forerun.config import SamplingParams, SpeculativeConfig
-
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_new_tokens, seed=args.seed,
-    )
-    method = None if args.method in ("none", "plain") else args.method
-    if method is not None and args.k == 0:  # ("auto" is not 0)
-        print(f"forerun: --k 0 turns speculation off: plain decoding (method {method} unused)", file=sys.stderr)
-    spec = SpeculativeConfig(
-        method=method, num_speculative_tokens=args.k, draft_model=args.draft_model, draft_dtype=args.draft_dtype,
-        ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_branches=args.ngram_branches,
-        tree_width=args.tree_width, skip_layers=_int_list(args.skip_layers), exit_layer=args.exit_layer,
-        quant_bits=args.quant_bits, lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
-        lookahead_pool=args.lookahead_pool, acceptance=args.acceptance,
-        options={**({"typical_epsilon": args.typical_epsilon, "typical_alpha": args.typical_epsilon**0.5}
-                    if args.acceptance != "exact" else {}),
-                 **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
-                 **({"draft_p_min": args.draft_p_min} if args.draft_p_min else {}),
-                 **({"draft_lookup": args.draft_lookup} if args.draft_lookup else {}),
-                 **({"head_dtype": args.head_dtype} if args.head_dtype else {}),
-                 **({"k_max": args.k_max} if args.k == "auto" else {})},
-    )
-    return params, spec
-
-
-def _int_list(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ForerunError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _llm(args, spec):
-    from forerun.llm import LLM
-
-    return LLM(model=args.model, dtype=args.dtype, speculative=spec)
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
 
 
 def cmd_generate(args) -> int:
-    params, spec = _configs(args)
+    params, spec = configs(args)
     if args.repeats < 1:
         raise ForerunError("--repeats must be >= 1")
-    llm = _llm(args, spec)
+    if args.prompt is not None:
+        check_prompt(args.prompt)  # before the model loads
+    llm = load_llm(args, spec)
     if args.prompt is None:
         args.prompt = DEFAULT_PROMPT
         print(f"prompt (built-in):\n{DEFAULT_PROMPT}\n---", file=sys.stderr, flush=True)
@@ -252,6 +164,20 @@ def cmd_generate(args) -> int:
         line = _speedup_line(llm, prompt, params, out, label, args.repeats)
     print(line, file=sys.stderr)
     return 0
+
+
+def check_prompt(text: str) -> None:
+    """Refuse a prompt with nothing in it, or one that is not UTF-8 text (a file in another
+    encoding, passed as "$(cat file)", reaches Python as undecodable bytes)."""
+    if not text.strip():
+        raise ForerunError("the prompt is empty: give the text to answer (or leave it out for the built-in one)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02x}" if byte is not None else repr(text[e.start])
+        raise ForerunError(f"the prompt is not UTF-8 text ({what} at character {e.start}); convert it first, "
+                           "e.g. iconv -f latin1 -t utf-8 FILE") from None
 
 
 def _show_drafts(llm, out):
@@ -338,10 +264,15 @@ def cmd_cost(args) -> int:
     from forerun.bench.cost import CostCurve, measure, plot
     from forerun.llm import LLM
 
-    tokens = sorted(set(_int_list(args.tokens) or ()) | {1})
+    tokens = sorted(set(int_list(args.tokens) or ()) | {1})
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     if min(tokens) < 1 or args.context < 1 or args.repeats < 1 or not dtypes:
         raise ForerunError("--tokens, --context and --repeats must be >= 1, and --dtype must name a precision")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ForerunError(f"--dtype: {d!r} is not a precision; choose from {', '.join(DTYPES)}{near_miss(d, DTYPES)}")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     curves = []
     for dtype in dtypes:
         llm = LLM(model=args.model, dtype=dtype, speculative=None)
@@ -358,7 +289,7 @@ def cmd_cost(args) -> int:
         for t in tokens:
             print(f"{t:6d}  " + "  ".join(f"{c.ms[t]:8.1f} ms {c.ratio(t):4.2f}x" for c in curves))
     if args.plot:
-        print(f"plot: {args.plot}", file=sys.stderr)
+        print(f"plot: {Path(args.plot).resolve()}", file=sys.stderr)
     return 0
 
 

@@ -140,21 +140,33 @@ def _data_file(name: str, override: str | Path | None) -> Path:
 # ---- readers: every malformed record names its file and line (or record number) ----
 
 
+def read_text(path: Path) -> str:
+    """The file's text (gunzipped for .gz); a file that is not UTF-8 is refused with the line
+    and byte where it stops being UTF-8."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ForerunError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                           "save the file as UTF-8") from None
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield (where, row) for each non-blank line; `where` is "path:line" for messages."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ForerunError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ForerunError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            yield where, row
+    for lineno, line in enumerate(read_text(path).split("\n"), start=1):  # (not splitlines: JSON strings may hold U+2028)
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ForerunError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ForerunError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        yield where, row
 
 
 def _field(row: dict, key: str, kind: type, where: str):
@@ -209,7 +221,7 @@ def _load_humaneval(path: Path) -> list[Prompt]:
 
 def _load_svamp(path: Path) -> list[Prompt]:
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise ForerunError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(records, list):

@@ -21,18 +21,84 @@ def _cli_error(capsys, argv) -> str:
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--k", "-1"], "num_speculative_tokens"),
-        (["--temperature", "-0.5"], "temperature"),
-        (["--top-p", "0"], "top_p"),
-        (["--top-p", "1.5"], "top_p"),
-        (["--max-new-tokens", "0"], "max_tokens"),
+        (["--k", "-1"], "--k must be an integer >= 0"),
+        (["--temperature", "-0.5"], "--temperature must be"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--ngram-min", "5"], "need 1 <= --ngram-min <= --ngram-max"),
         (["--method", "nonsense"], "unknown speculative method"),
+        (["--method", "ngrams"], "(did you mean 'ngram'?)"),
         (["--model", "/no/such/model"], "not found"),
+        (["--model", "smollm-135m"], "(did you mean 'smollm2-135m'?)"),
         (["--model", "/no/such/file.gguf"], "GGUF file not found"),
     ],
 )
 def test_cli_rejects_bad_parameters(capsys, flags, words):
-    assert words in _cli_error(capsys, ["generate", "hi", *flags])
+    err = _cli_error(capsys, ["generate", "hi", *flags])
+    assert words in err
+    for python_name in ("num_speculative_tokens", "top_p", "max_tokens", "ngram_min"):  # the flags, not the parameters
+        assert python_name not in err
+
+
+def test_a_missed_model_name_lists_the_embedded_models(capsys):
+    from forerun.embedded import EMBEDDED_MODELS
+
+    err = _cli_error(capsys, ["generate", "hi", "--model", "smollm-135m"])
+    assert all(name in err for name in EMBEDDED_MODELS)
+
+
+def test_errors_name_the_flags_not_the_parameters():
+    from forerun.cli import _subparser, build_parser
+    from forerun.cli_args import in_flags
+
+    generate = _subparser(build_parser(), "generate")
+    assert (in_flags("method 'draft_model' needs draft_model= (a model folder, .gguf, hub id or LLM)", generate)
+            == "method 'draft_model' needs --draft-model (a model folder, .gguf, hub id or LLM)")
+    assert in_flags("options['draft_vocab'] must be an integer >= 2", generate) == "--draft-vocab must be an integer >= 2"
+    assert in_flags("draft_lookup must be in 0..ngram_max (4), got 9", generate) == "--draft-lookup must be in 0..--ngram-max (4), got 9"
+    assert in_flags("unknown speculative method 'x'", generate) == "unknown speculative method 'x'"
+
+
+def test_a_bad_choice_is_two_lines_with_the_choices_and_the_near_miss(capsys):
+    for argv, wanted in ((["generate", "--dtype", "fp16"], "(did you mean 'bfloat16'?)"),
+                         (["generate", "--draft-dtype", "flaot32"], "(did you mean 'float32'?)"),
+                         (["generat"], "(did you mean 'generate'?)")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and wanted in err and "usage:" not in err and len(err.splitlines()) == 2, err
+    err = _cli_error(capsys, ["cost", "--dtype", "float32,fp16"])  # (a comma-separated list: checked by cost itself)
+    assert "choose from auto, gguf, float32, bfloat16, int8, int4 (did you mean 'bfloat16'?)" in err
+
+
+def test_empty_and_non_utf8_prompts_are_refused_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("the model loaded"))
+    assert "the prompt is empty" in _cli_error(capsys, ["generate", ""])
+    assert "the prompt is empty" in _cli_error(capsys, ["generate", "  \n"])
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # what "$(cat latin1.txt)" reaches Python as
+    assert "not UTF-8 text (byte 0xe9 at character 3)" in _cli_error(capsys, ["generate", bad])
+
+
+def test_a_prompt_file_that_is_not_utf8_names_the_file_and_line(tmp_path, capsys):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    err = _cli_error(capsys, ["compare", "--prompts", str(prompts)])
+    assert f"{prompts}:2: not UTF-8 text (byte 0xe9" in err
+
+
+def test_llm_generate_refuses_an_empty_prompt():
+    with pytest.raises(ConfigError, match="empty prompt"):
+        LLM(tiny_model(seed=0), tokenizer=_BosTokenizer()).generate("")
+
+
+class _BosTokenizer:
+    """Adds BOS (id 1) to every text: an empty string would still be a one-token prompt."""
+
+    bos_token, eos_token_ids = "<s>", {2}
+
+    def encode(self, text, add_special_tokens=True):
+        return [1] * add_special_tokens + [3 + ord(c) % 20 for c in text]
 
 
 def test_cli_unknown_prompt_set(capsys):
@@ -187,11 +253,59 @@ def test_help_shows_defaults_and_bare_forerun_prints_it(capsys):
         assert shown in help_text, shown
 
 
+def test_every_help_says_each_default_once(capsys):
+    import re
+
+    from forerun.cli import _subparser, build_parser
+
+    parser = build_parser()
+    commands = list(next(a for a in parser._actions if a.dest == "command").choices)
+    for command in commands:
+        text = " ".join(_subparser(parser, command).format_help().split())  # (help lines wrap)
+        assert "(default: None)" not in text and "(default: False)" not in text, command
+        for action in _subparser(parser, command)._actions:
+            said = re.findall(r"\(default", action.help or "") + (["%"] if "%(default)" in (action.help or "") else [])
+            assert len(said) <= 1, (command, action.dest)
+    assert "(default: the verifier's; a gguf verifier's drafter: auto)" in " ".join(
+        _subparser(parser, "generate").format_help().split())
+
+
+def test_methods_lists_every_method_with_a_line_on_each(capsys):
+    from forerun.drafters import available_methods
+    from forerun.methods import METHODS
+
+    assert cli.main(["methods"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(METHODS) and lines[0].split()[0] == "none"
+    assert all(len(line.split()) > 4 for line in lines)  # a name and what it does
+    assert available_methods() == sorted(set(METHODS) - {"none"})  # the registry builds exactly the listed ones
+
+
+def test_serve_on_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("the model loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _cli_error(capsys, ["serve", "--port", str(port)])
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in err and "choose another --port" in err
+
+
+def test_default_outputs_go_under_forerun_runs():
+    from forerun.cli import build_parser
+
+    assert build_parser().parse_args(["bench"]).out == "forerun-runs/bench"
+    assert build_parser().parse_args(["cost"]).plot == "forerun-runs/cost.png"
+
+
 def test_k_zero_says_speculation_is_off(capsys):
-    from forerun.cli import _configs, build_parser
+    from forerun.cli import build_parser
+    from forerun.cli_args import configs
 
     args = build_parser().parse_args(["generate", "--k", "0", "--method", "ngram"])
-    _, spec = _configs(args)
+    _, spec = configs(args)
     assert not spec.enabled and "--k 0 turns speculation off" in capsys.readouterr().err
 
 
@@ -202,3 +316,11 @@ def test_speedup_spread_helpers():
     assert 1.0 <= low <= high <= 3.0
     assert verdict(low, high) == "faster" or low <= 1.0
     assert verdict(0.9, 1.1) == "within noise"
+
+
+def test_doctests():
+    import doctest
+
+    from forerun import cli_args, errors
+
+    assert doctest.testmod(cli_args).failed == 0 and doctest.testmod(errors).failed == 0

@@ -9,13 +9,15 @@ import json
 import sys
 from pathlib import Path
 
+from forerun.cli_args import configs, int_list, k_arg
 from forerun.errors import ForerunError
 
 BENCH_SETS = "spec_bench:summarization,spec_bench:qa,humaneval"
 
 
-def add_parsers(sub, common, fmt):
-    """bench, advise, drift and quality subparsers; `common` adds the shared model/sampling/drafter options."""
+def add_parsers(sub, common, fmt, runs_dir: str = "forerun-runs"):
+    """bench, advise, drift and quality subparsers; `common` adds the shared model/sampling/drafter
+    options; a command's files go under `runs_dir` unless told."""
     b = sub.add_parser("bench", formatter_class=fmt, conflict_handler="resolve",
                        help="plain vs methods x k on prompt sets: JSON, Markdown/HTML report, plots, a verdict")
     common(b)
@@ -29,7 +31,7 @@ def add_parsers(sub, common, fmt):
                    "--model; another tokenizer is bridged; the first is transformers' assistant) or head folders "
                    "for medusa / eagle / dflash (each used by the method it was trained for): one cell each")
     b.add_argument("--ngram-branches", default="1", help="ngram: comma-separated tree widths (1 = chain), one cell each")
-    b.add_argument("--out", default="forerun-bench", help="report folder (bench.json, report.md/.html, PNGs)")
+    b.add_argument("--out", default=f"{runs_dir}/bench", help="report folder (bench.json, report.md/.html, PNGs)")
     b.add_argument("--resume", action="store_true", help="keep the cells already in OUT/bench.json, run the rest")
     b.add_argument("--no-cost", action="store_true", help="skip the cost curve behind the batch-size estimates")
     b.add_argument("--vs", default="", help="peers to run beside forerun: transformers, llama.cpp (comma-separated)")
@@ -69,9 +71,7 @@ def add_parsers(sub, common, fmt):
 
 
 def _ks(text: str) -> list:
-    from forerun.cli import _k_arg
-
-    ks = [_k_arg(x.strip()) for x in text.split(",") if x.strip()]
+    ks = [k_arg(x.strip()) for x in text.split(",") if x.strip()]
     if not ks or any(k == 0 for k in ks):
         raise ForerunError("--k needs draft lengths >= 1 or 'auto' (plain decoding always runs)")
     return ks
@@ -80,14 +80,12 @@ def _ks(text: str) -> list:
 def specs_from(args) -> list:
     """One SpeculativeConfig per method x k x the method's own listed options (draft
     models, n-gram tree widths), with the shared drafter options from args."""
-    from forerun.cli import _configs
-
     specs = []
     for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
         if method in ("plain", "none"):
             raise ForerunError("plain decoding always runs: list only drafters in --methods")
         for k in _ks(str(args.k)):
-            specs += [_configs(_one(args, method, k, **extra))[1] for extra in _variants(method, args)]
+            specs += [configs(_one(args, method, k, **extra))[1] for extra in _variants(method, args)]
     return specs
 
 
@@ -99,10 +97,8 @@ def _variants(method: str, args) -> list[dict]:
     """The grid's axis inside one method: each listed draft model (or head folder) of a
     method that reads one, each tree width of the n-gram drafter (both comma-separated on
     the command line)."""
-    from forerun.cli import _int_list
-
     if method == "ngram":
-        return [{"ngram_branches": b} for b in _int_list(str(args.ngram_branches)) or (1,)]
+        return [{"ngram_branches": b} for b in int_list(str(args.ngram_branches)) or (1,)]
     if method not in SELF_DRAFTERS and args.draft_model:
         listed = [d.strip() for d in args.draft_model.split(",") if d.strip()]
         if method in HEAD_METHODS:  # head folders: each goes to the method it was trained for
@@ -144,10 +140,9 @@ def cmd_bench(args) -> int:
     from forerun.bench.grid import make_methods
     from forerun.bench.report import screenshot, write_reports
     from forerun.bench.spread import busy_note
-    from forerun.cli import _configs
     from forerun.llm import LLM
 
-    params, _ = _configs(_plain(args))
+    params, _ = configs(_plain(args))
     specs = specs_from(args)
     verifier = LLM(model=args.model, dtype=args.dtype, speculative=None)
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
@@ -172,6 +167,8 @@ def cmd_bench(args) -> int:
     written = write_reports(result, run.out)
     save(result, run.json_path)
     shot = screenshot(written["report.html"], run.out / "report-screenshot.png")
+    for warning in result["warnings"]:  # (report.md lists them last, after the results this does not print)
+        print(f"forerun: warning: {warning}", file=sys.stderr, flush=True)
     print((run.out / "report.md").read_text().split("## Results")[0])
     print(f"wrote {', '.join(str(p) for p in [run.json_path, *written.values()])}"
           + (f", {shot}" if shot else " (no chromium: no screenshot)"), file=sys.stderr)
@@ -272,12 +269,13 @@ def cmd_drift(args) -> int:
 def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
     from forerun.bench.bench import workloads_from
     from forerun.bench.cell import summarize_cell
+    from tqdm import tqdm
+
     from forerun.bench.grid import make_methods, refuse, run_workload, warm_up
-    from forerun.cli import _configs
     from forerun.drift import perturb_
     from forerun.llm import LLM
 
-    params, _ = _configs(_plain(args))
+    params, _ = configs(_plain(args))
     verifier = LLM(model=model, dtype=dtype, speculative=None, progress=False)
     if sigma:
         try:
@@ -288,9 +286,11 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
     workloads = workloads_from(verifier, [s.strip() for s in args.prompts.split(",") if s.strip()], args.limit, args.data_dir)
     refuse(warm_up(verifier, methods, workloads[0].prompts[0][1]))
     cells = []
-    for w in workloads:
-        pairs = run_workload(verifier, methods, w, params)
-        cells += [summarize_cell(w.category, m.label, m.k, pairs[m.label], params.greedy) for m in methods]
+    runs = sum(len(w.prompts) for w in workloads) * (len(methods) + 1)  # plain + each method, per prompt
+    with tqdm(total=runs, desc=f"{model or 'smollm2-135m'} runs", unit="run", file=sys.stderr) as bar:
+        for w in workloads:
+            pairs = run_workload(verifier, methods, w, params, tick=bar.update)
+            cells += [summarize_cell(w.category, m.label, m.k, pairs[m.label], params.greedy) for m in methods]
     return cells
 
 

@@ -28,10 +28,10 @@ def cmd_compare(args) -> int:
     import torch
 
     from forerun.bench.spread import busy_note
-    from forerun.cli import _configs
+    from forerun.cli_args import configs
     from forerun.prompts import load_prompts
 
-    params, spec = _configs(args)
+    params, spec = configs(args)
     if not spec.enabled:
         raise ForerunError("compare needs a speculative method and --k >= 1")
     prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from forerun.config import check_dtype
-from forerun.errors import ModelLoadError
+from forerun.errors import ModelLoadError, did_you_mean
 from forerun.models.config import GEMMA3, LLAMA_FAMILY, ModelConfig
 from forerun.models.gemma3 import Gemma3ForCausalLM
 from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict
@@ -36,7 +36,8 @@ def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
             raise ModelLoadError(f"GGUF file not found: {path}")
         return _converted_gguf(path, progress)
     if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
-        raise ModelLoadError(f"model not found: {model!r} (expected a model folder, a .gguf file or a hub id)")
+        raise ModelLoadError(f"model not found: {model!r}{did_you_mean(model, EMBEDDED_MODELS)}; expected a model "
+                             f"folder, a .gguf file, a hub id (owner/name) or an embedded model: {', '.join(EMBEDDED_MODELS)}")
     return _hub_snapshot(str(model))
 
 

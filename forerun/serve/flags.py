@@ -2,7 +2,7 @@
 
 
 def add_arguments(p) -> None:
-    """The serve-only flags (the model and speculation flags come from cli._common)."""
+    """The serve-only flags (the model and speculation flags come from cli_args.add_common)."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-name", default=None, help="model id clients pass (default: the model folder's name)")

@@ -1,9 +1,11 @@
 """Assemble a server (`build_server`) and run it (`forerun serve`)."""
 from __future__ import annotations
 
+import socket
 import sys
 
 from forerun.config import SpeculativeConfig
+from forerun.errors import ForerunError
 from forerun.serve.admission import Limits
 from forerun.serve.scheduler import Scheduler, ServeConfig
 
@@ -27,10 +29,11 @@ def build_server(llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeCo
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from forerun.cli import _configs, _llm
+    from forerun.cli_args import configs, load_llm
 
-    _, spec = _configs(args)
-    llm = _llm(args, spec)
+    _, spec = configs(args)
+    sock = reserve_port(args.host, args.port)  # a port in use fails now, not after the model loads
+    llm = load_llm(args, spec)
     cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
                       num_blocks=args.num_blocks, paged=not args.no_paged, max_queue=args.max_queue,
                       batch_aware=not args.no_batch_aware)
@@ -40,5 +43,22 @@ def cmd_serve(args) -> int:
     print(f"forerun serve: {st.limits.model_names[0]} ({args.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
           f"{cfg.max_batch} rows x {st.limits.max_len} tokens, {st.scheduler.blocks.num_blocks} KV blocks of {cfg.block_size}, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run(sockets=[sock])
     return 0
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything slow happens; uvicorn listens on it."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise ForerunError(f"--host {host}: not an address to listen on ({e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a closed server's port is free
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ForerunError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                           "another server is there? choose another --port") from None
+    return sock
