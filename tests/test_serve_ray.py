@@ -1,12 +1,16 @@
-"""Two forerun replicas behind one Ray Serve endpoint, on this machine (skipped without
-ray: it is not in the test extra, being large). Both replicas answer, streaming works
-through Ray's proxy, and greedy output is the same whichever replica served it."""
+"""Two forerun replicas behind one Ray Serve endpoint, on this machine. Both replicas answer,
+streaming works through Ray's proxy, and greedy output is the same whichever replica served it.
+
+ray is not in the test extra (it is large), so this file skips unless it is installed; to run it:
+    .venv/bin/pip install 'ray[serve]>=2.9' && .venv/bin/python -m pytest tests/test_serve_ray.py
+(test_ray_app.py, which needs no ray, checks that Ctrl-C stops the cluster the app started.)"""
 import socket
 
 import pytest
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+RUN_IT = "ray is not installed: .venv/bin/pip install 'ray[serve]>=2.9', then pytest tests/test_serve_ray.py"
+ray = pytest.importorskip("ray", reason=RUN_IT)
+serve = pytest.importorskip("ray.serve", reason=RUN_IT)
 openai = pytest.importorskip("openai")
 
 from forerun.serve.ray_app import application  # noqa: E402

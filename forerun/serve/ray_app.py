@@ -6,12 +6,17 @@ over the replicas and streams their SSE responses through.
     python -m forerun.serve.ray_app --replicas 2 --port 8000 --method ngram --k 5
 
 Requests are routed per request, so continuous batching happens inside each replica; a
-replica gets `--threads` torch threads (set it to the cores you give each replica).
+replica gets `--threads` torch threads (set it to the cores you give each replica). It starts a
+local Ray cluster of its own, and Ctrl-C (or SIGTERM) stops the replicas and that cluster; with
+RAY_ADDRESS set it joins that cluster instead and leaves it running.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
+import sys
 from typing import Callable
 
 
@@ -63,12 +68,31 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from ray import serve
 
-    ray.init()
-    serve.start(http_options={"host": args.host, "port": args.port})
-    make_llm = functools.partial(embedded_llm, args.model, args.dtype)
-    method = None if args.method == "none" else args.method
-    serve.run(application(make_llm, args.replicas, method, args.k, args.max_batch, args.max_len, threads=args.threads),
-              blocking=True)
+    joined = os.environ.get("RAY_ADDRESS")  # a cluster someone else runs: leave it running
+    ray.init(address=joined or "local")  # else a local cluster of this process's own, stopped below
+    previous = signal.signal(signal.SIGTERM, _raise_exit)  # `kill` stops it as Ctrl-C does: through finally
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        make_llm = functools.partial(embedded_llm, args.model, args.dtype)
+        method = None if args.method == "none" else args.method
+        serve.run(application(make_llm, args.replicas, method, args.k, args.max_batch, args.max_len, threads=args.threads),
+                  blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        print("forerun: stopping the replicas" + ("" if joined else " and the local Ray cluster"), file=sys.stderr, flush=True)
+        try:
+            if joined:
+                serve.delete("default")  # our application only: the cluster and its Serve are someone else's
+            else:
+                serve.shutdown()  # the replicas and the proxy (detached actors: they outlive a driver otherwise)
+        finally:
+            ray.shutdown()  # our own cluster: raylet, gcs_server and the workers stop with it (joined: disconnects)
+
+
+def _raise_exit(signum, _frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""`python -m forerun.serve.ray_app` stops what it started, however it is stopped: Ctrl-C or
+SIGTERM shuts Serve and the local Ray cluster down (a fresh clone found raylet, gcs_server and
+~20 workers still running after Ctrl-C). A stand-in `ray` records the calls, so this runs where
+ray is not installed; tests/test_serve_ray.py serves through a real one."""
+import signal
+import sys
+import types
+
+import pytest
+
+from forerun.serve import ray_app
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    calls = []
+    ray, serve = types.ModuleType("ray"), types.ModuleType("ray.serve")
+    ray.serve = serve
+    ray.init = lambda address=None, **kw: calls.append(f"init {address}")
+    ray.shutdown = lambda: calls.append("ray.shutdown")
+    serve.start = lambda **kw: calls.append("serve.start")
+    serve.shutdown = lambda: calls.append("serve.shutdown")
+    serve.delete = lambda name: calls.append(f"serve.delete {name}")
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.serve", serve)
+    monkeypatch.setattr(ray_app, "application", lambda *a, **kw: "the app")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return calls, serve
+
+
+def test_ctrl_c_stops_serve_and_the_local_cluster(fake_ray):
+    calls, serve = fake_ray
+
+    def run(app, blocking):
+        calls.append("serve.run")
+        raise KeyboardInterrupt
+
+    serve.run = run
+    before = signal.getsignal(signal.SIGTERM)
+    ray_app.main(["--replicas", "2"])
+    assert calls == ["init local", "serve.start", "serve.run", "serve.shutdown", "ray.shutdown"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_stops_them_too(fake_ray):
+    calls, serve = fake_ray
+    serve.run = lambda app, blocking: signal.raise_signal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        ray_app.main([])
+    assert e.value.code == 128 + signal.SIGTERM and calls[-2:] == ["serve.shutdown", "ray.shutdown"]
+
+
+def test_a_joined_cluster_keeps_running(fake_ray, monkeypatch):
+    calls, serve = fake_ray
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+
+    def run(app, blocking):
+        raise KeyboardInterrupt
+
+    serve.run = run
+    ray_app.main([])
+    assert calls == ["init ray://head:10001", "serve.start", "serve.delete default", "ray.shutdown"]
