@@ -1,7 +1,7 @@
 """The speculative methods by name, each with one line on what drafts (`forerun methods`
 prints them). SpeculativeConfig checks a method's name here, so naming one loads no drafter;
 drafters/base.register adds a method registered at run time, and the drafters' own registry
-is tested to hold exactly these names (tests/test_import_graph.py).
+is tested to hold exactly these names (tests/test_errors.py).
 
 No imports: everything from config.py to the CLI may read it.
 """
