@@ -126,6 +126,12 @@ class Tokenizer:
             template = named.get("default")
         return template
 
+    def info(self) -> dict[str, Any]:
+        """The special tokens' text and the chat template (what vLLM's /tokenizer_info serves)."""
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        return {**{name: _token_text(self._config.get(name)) for name in names}, "chat_template": self.chat_template,
+                "add_bos_token": self._add_bos}
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}]), as HF renders it."""
         if self._template is None:

@@ -105,3 +105,18 @@ def test_bad_logprob_values_are_a_400_naming_the_field(server, path, body, field
         r = c.post(path, json=body)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+
+
+def test_tokenizer_endpoints(server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (what lm-eval's remote tokenizer reads)."""
+    llm = _llm(server)
+    with server.client() as c:
+        tok = c.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+        assert tok["tokens"] == llm.encode(PROMPT)[0] and tok["count"] == len(PROMPT) and tok["max_model_len"] == 256
+        chat = c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert chat["tokens"] == llm.encode(llm.apply_chat_template([{"role": "user", "content": "hi"}]))[0]
+        assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": PROMPT}
+        assert c.post("/detokenize", json={"tokens": [9999]}).status_code == 400
+        assert c.post("/tokenize", json={}).status_code == 400
+        assert c.post("/tokenize", json={"prompt": "x", "model": "gpt-4"}).status_code == 404
+        assert c.get("/tokenizer_info").status_code == 404  # the toy tokenizer names no special tokens

@@ -15,6 +15,7 @@ from forerun.serve.request import Event, ServeRequest
 from forerun.serve.responses import DONE, Echo, Shape, sse
 from forerun.serve.scheduler import QueueFull, Scheduler, TooLarge
 from forerun.serve.schemas import ChatRequest, CompletionRequest
+from forerun.serve.tokenize_routes import add_tokenizer_routes
 
 ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (404, "unknown model"), (429, "queue full")]}
 
@@ -49,6 +50,8 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics) 
         except Exception as e:  # a template that refuses a role order, a model without a template
             raise ApiError(400, f"chat template: {e}", param="messages") from e
         return await _generate(request, body, prompt, body.limit(), chat=True)
+
+    add_tokenizer_routes(app, llm, limits)
 
     @app.get("/v1/models")
     async def models():
