@@ -101,7 +101,7 @@ def resolve_dtype(dtype: str, folder: Path | None, device="cpu") -> str:
     return "gguf" if kernel is not None and hasattr(kernel, "gguf_rows") and quantized_source(folder) else "float32"
 
 
-def _ensure_float_weights(folder: Path) -> None:
+def ensure_float_weights(folder: Path) -> None:
     """A converted GGUF folder holds no float32 weights until a float precision first needs them."""
     from forerun.models.gguf_convert import source_of, write_weights
 
@@ -125,7 +125,7 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
         return finish_model(model, dtype, device)
     model = _on_meta(folder)
     cfg = model.config
-    _ensure_float_weights(folder)
+    ensure_float_weights(folder)
     state = read_state_dict(folder)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
