@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from forerun.train.distill import add_parser as add_distill
 
     add_distill(sub, fmt)
+    from forerun.eval.command import add_parser as add_eval
+
+    add_eval(sub, fmt, add_common)
     v = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible HTTP server: continuous batching + speculation")
     add_common(v)
     from forerun.serve.flags import add_arguments
@@ -114,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         from forerun.train.distill import cmd_distill
 
         commands.update(train=cmd_train, distill=cmd_distill)
+        from forerun.eval.command import cmd_eval
+
+        commands.update(eval=cmd_eval)
         if args.command == "compare":
             from forerun.bench.compare import cmd_compare
 

@@ -110,6 +110,15 @@ def _load(spec: str, override: str | Path | None) -> list[Prompt]:
     )
 
 
+def records(name: str, data_dir: str | Path | None = None) -> list[dict]:
+    """The rows of a built-in JSONL set as stored, every field kept (HumanEval's `test` and
+    `entry_point` for `forerun eval humaneval`); a missing file gets the same message as
+    load_prompts."""
+    if name not in _SETS or name == "svamp":
+        raise ForerunError(f"records() reads the JSONL sets ({', '.join(n for n in _SETS if n != 'svamp')}), not {name!r}")
+    return [row for _, row in _read_jsonl(_data_file(name, data_dir))]
+
+
 def _looks_like_path(spec: str) -> bool:
     if spec.endswith((".jsonl", ".jsonl.gz")) or "/" in spec or os.sep in spec:
         return True

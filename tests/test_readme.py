@@ -191,7 +191,11 @@ def _check_forerun(args: list[str], top, subs) -> list[str]:
     command, rest = args[0], args[1:]
     if command not in subs:
         return [f"forerun {command}: no such command (there are {sorted(subs)})"]
-    options = subs[command]._option_string_actions
+    parser = subs[command]
+    nested = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if nested is not None and rest and rest[0] in nested.choices:  # `forerun eval humaneval ...`
+        command, parser, rest = f"{command} {rest[0]}", nested.choices[rest[0]], rest[1:]
+    options = parser._option_string_actions
     for i, arg in enumerate(rest):
         if not arg.startswith("--"):
             continue
@@ -231,5 +235,7 @@ def test_the_command_check_catches_a_bad_flag_and_a_bad_choice():
     assert _check_forerun(["generate", "--no-such-flag"], top, subs)
     assert _check_forerun(["generate", "--dtype", "fp16"], top, subs)
     assert _check_forerun(["nonsense"], top, subs)
+    assert _check_forerun(["eval", "humaneval", "--limit", "3", "--method", "ngram"], top, subs) == []
+    assert _check_forerun(["eval", "humaneval", "--no-such-flag"], top, subs)
     assert list(_invocations("OMP_NUM_THREADS=2 .venv/bin/forerun train --method eagle | tee log")) == [
         ("forerun", ["train", "--method", "eagle"])]
