@@ -17,7 +17,8 @@ class Strict(BaseModel):
 
 class SpeculativeOptions(Strict):
     """forerun's extra body field: `"speculative": {"method": "ngram" | "none", "k": 3}`.
-    method must be the server's drafter (or "none"); k is capped at the server's k."""
+    method must be the server's drafter (or "none"); k above the server's k is lowered to it,
+    and the response's `forerun.notes` says so."""
 
     method: str | None = None  # None: the server's method
     k: int | None = Field(default=None, ge=0, le=64)  # None: the server's k
