@@ -86,7 +86,8 @@ def add_common(p: argparse.ArgumentParser):
     p.add_argument("--draft-model", default=None,
                    help="draft model for --method draft_model (same forms as --model); the head folder for medusa / eagle / dflash")
     p.add_argument("--draft-dtype", default=None, choices=DTYPES,
-                   help="draft model's precision (default: the verifier's; a gguf verifier's drafter: auto)")
+                   help="draft model's precision (default: int4 on the CPU with the kernels, the fastest measured, "
+                        "which changes acceptance, never the output; else the verifier's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -97,7 +98,8 @@ def add_common(p: argparse.ArgumentParser):
     p.add_argument("--ngram-branches", type=int, default=1, help="ngram: verify up to N matches as a token tree")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft_model: score only the first N token ids (+ special tokens, + the ids of each row's prompt "
-                        "and output so far) in the drafter's head; heads: the ids they were trained over by default")
+                        "and output so far) in the drafter's head; 0 = all (default: 32768 for a draft model with over "
+                        "65536 ids; heads: the ids they were trained over)")
     p.add_argument("--head-dtype", default=None, choices=["float32", "int8", "int4"],
                    help="medusa / eagle / dflash: the head's layers and its reduced output head (--draft-vocab); draft_model: "
                         "its reduced head (default: the verifier's / the draft model's dtype). Drafts only: the output stays exact")
@@ -105,9 +107,10 @@ def add_common(p: argparse.ArgumentParser):
                    help="draft_model: candidates at the first position (a tree); medusa / eagle / dflash: top candidates per node (a tree of 16 nodes)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
                    help="draft_model / quantized: stop a draft where the drafter's top token probability falls below this (0 = never)")
-    p.add_argument("--draft-lookup", type=int, default=0, metavar="N",
+    p.add_argument("--draft-lookup", type=int, default=None, metavar="N",
                    help="draft_model: the first drafter forward also checks prompt lookup's guess (after the last N.."
-                        "--ngram-max tokens seen before): one forward drafts every guessed token the drafter agrees with (0 = off)")
+                        "--ngram-max tokens seen before): one forward drafts every guessed token the drafter agrees with "
+                        "(0 = off) (default: 1)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
     p.add_argument("--quant-bits", type=int, default=8, choices=[8, 4], help="quantized: the self-draft's weight bits (int8 or int4)")
@@ -142,9 +145,9 @@ def configs(args):
         lookahead_pool=args.lookahead_pool, acceptance=args.acceptance,
         options={**({"typical_epsilon": args.typical_epsilon, "typical_alpha": args.typical_epsilon**0.5}
                     if args.acceptance != "exact" else {}),
-                 **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
+                 **({"draft_vocab": args.draft_vocab} if args.draft_vocab is not None else {}),
                  **({"draft_p_min": args.draft_p_min} if args.draft_p_min else {}),
-                 **({"draft_lookup": args.draft_lookup} if args.draft_lookup else {}),
+                 **({"draft_lookup": args.draft_lookup} if args.draft_lookup is not None else {}),
                  **({"head_dtype": args.head_dtype} if args.head_dtype else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
     )

@@ -88,7 +88,7 @@ class SpeculativeConfig:
     method: str | None = "ngram"
     num_speculative_tokens: int | str = 5
     draft_model: object | None = None
-    draft_dtype: str | None = None  # default: the verifier's dtype
+    draft_dtype: str | None = None  # default (a drafter named by path): int4 on the CPU with the kernels (drafters/draft_model.py)
     ngram_max: int = 4
     ngram_min: int = 2  # 1-token matches are mostly noise: measured 1.13x -> 1.23x on a dev split
     ngram_branches: int = 1  # >1: up to this many distinct n-gram continuations, verified as a tree
@@ -123,8 +123,9 @@ class SpeculativeConfig:
             plain = " (plain decoding is method=None)" if self.method == NONE else did_you_mean(self.method, METHODS)
             raise ConfigError(f"unknown speculative method {self.method!r}; available: {sorted(set(METHODS) - {NONE})}{plain}")
         draft_vocab = self.options.get("draft_vocab")
-        if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 2):
-            raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores), got {draft_vocab!r}")
+        if draft_vocab is not None and (not isinstance(draft_vocab, int) or draft_vocab < 0 or draft_vocab == 1):
+            raise ConfigError(f"options['draft_vocab'] must be an integer >= 2 (ids the drafter scores) or 0 (all), "
+                              f"got {draft_vocab!r}")
         if self.options.get("head_dtype") not in (None, "float32", "int8", "int4"):
             raise ConfigError(f"options['head_dtype'] must be float32, int8 or int4 (a head drafter's layers and a "
                               f"reduced draft head), got {self.options['head_dtype']!r}")

@@ -97,3 +97,22 @@ def test_float_rows_read_the_rows_of_every_head_kind(dtype):
     ids = torch.tensor([0, 5, 17, 40, 63])
     full = head.weight_int8.float() * head.weight_scale[:, None] if hasattr(head, "weight_int8") else head.weight
     assert torch.equal(float_rows(head, ids), full[ids])
+
+
+def test_a_named_draft_model_gets_the_measured_defaults():
+    """Naming only the draft model: int4 drafter (CPU, kernels), head cut to 32768 ids for a large
+    vocabulary, lookup 1; each overridable; an LLM object is used as built."""
+    import doctest
+
+    from forerun.config import SpeculativeConfig
+    from forerun.drafters import draft_model
+    from forerun.models import int8_kernel
+
+    assert doctest.testmod(draft_model).failed == 0
+    big = draft_model.with_named_defaults(SpeculativeConfig("draft_model", 4), 151936).options
+    assert big == {"draft_vocab": 32768, "draft_lookup": 1}
+    kept = draft_model.with_named_defaults(
+        SpeculativeConfig("draft_model", 4, options={"draft_vocab": 0, "draft_lookup": 0}), 151936).options
+    assert kept == {"draft_vocab": 0, "draft_lookup": 0}
+    verifier = LLM(tiny_model(seed=0, dtype="float32"), dtype="float32")
+    assert draft_model.named_draft_dtype(verifier) == ("int4" if int8_kernel.load() is not None else "float32")

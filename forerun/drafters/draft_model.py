@@ -14,6 +14,8 @@ and summaries copy their context: there most steps need one or two drafter forwa
 """
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import time
 
@@ -218,6 +220,37 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return logits
 
 
+# A drafter named by path or name (not an LLM object) gets the configuration measured fastest on
+# the Qwen pair (docs/results.md, "gguf against llama.cpp" and "The reduced draft vocabulary"):
+# the drafter at int4, its head cut to 32768 ids, prompt lookup checked by its first forward.
+# None of them changes the output: a drafter's precision and head only move acceptance.
+NAMED_DRAFT_VOCAB, NAMED_DRAFT_LOOKUP, LARGE_VOCAB = 32768, 1, 65536
+
+
+def named_draft_dtype(verifier) -> str:
+    """int4 on the CPU where forerun's kernels are built (the fastest drafter measured under
+    every verifier precision); else the verifier's dtype (auto for a gguf verifier)."""
+    from forerun.models import int8_kernel
+
+    if verifier.model.device.type == "cpu" and verifier.dtype in ("gguf", "float32", "int8", "int4") \
+            and int8_kernel.load() is not None:
+        return "int4"
+    return "auto" if verifier.dtype == "gguf" else verifier.dtype
+
+
+def with_named_defaults(spec, vocab: int):
+    """spec with draft_vocab (a vocabulary over 65536 ids) and draft_lookup set where the user left them unset.
+    >>> from forerun.config import SpeculativeConfig
+    >>> with_named_defaults(SpeculativeConfig("draft_model", 4), 151936).options
+    {'draft_vocab': 32768, 'draft_lookup': 1}
+    >>> with_named_defaults(SpeculativeConfig("draft_model", 4, options={"draft_lookup": 0}), 49152).options
+    {'draft_lookup': 0}
+    """
+    defaults = {"draft_vocab": NAMED_DRAFT_VOCAB} if vocab > LARGE_VOCAB else {}
+    defaults["draft_lookup"] = NAMED_DRAFT_LOOKUP
+    return dataclasses.replace(spec, options={**defaults, **spec.options})
+
+
 def _same_vocab(a, b) -> bool:
     """Tokenizers decide when both models have one; otherwise the logit widths."""
     if a.tokenizer is not None and b.tokenizer is not None:
@@ -233,8 +266,9 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
     if hasattr(src, "model") and hasattr(src, "tokenizer"):  # an LLM already built
         draft = src
     else:  # loaded as the verifier was (its class: forerun.llm.LLM), so drafters never import the LLM
-        dtype = spec.draft_dtype or ("auto" if verifier.dtype == "gguf" else verifier.dtype)  # a GGUF drafter's own blocks
+        dtype = spec.draft_dtype or named_draft_dtype(verifier)
         draft = type(verifier)(model=src, dtype=dtype, speculative=None, device=verifier.model.device)
+        spec = with_named_defaults(spec, draft.model.config.vocab_size)
     if draft.model.device != verifier.model.device:
         raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")
     if _same_vocab(draft, verifier):
