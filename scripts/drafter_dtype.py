@@ -4,10 +4,12 @@ whether each output equals plain decoding's).
 
     .venv/bin/python scripts/drafter_dtype.py 3        # HumanEval's first 3 prompts
 """
-import statistics, sys
+import sys
+
 from forerun import LLM, SamplingParams, SpeculativeConfig
-from forerun.prompts import load_prompts
 from forerun.metrics import merge
+from forerun.prompts import load_prompts
+
 v = LLM("qwen2.5-coder-1.5b", progress=False)
 drafts = {d: LLM("qwen2.5-coder-0.5b", dtype=d, progress=False) for d in ("gguf", "int4")}
 cfgs = {"plain": None}
