@@ -17,7 +17,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv_cache import KVCache, chain_batch, tree_batch
-from forerun.logprobs import sequence_logprobs
+from forerun.logprobs import token_logprobs
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes
 from forerun.sampling import logits_to_probs, make_generator
@@ -125,7 +125,7 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     for i, (s, d, n, nxt) in enumerate(zip(active, drafts, num_accepted, next_tokens)):
         s.stats.record_step(len(d.tokens), n)
         emitted = d.tokens[:n] + [nxt]
-        _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i, : n + 1], emitted))
+        _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i], range(n + 1), emitted))
         _mark(s, bool(d.tokens), n, at_end=n == len(d.tokens))
 
 
@@ -161,7 +161,7 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         s.stats.record_step(d.depth(), len(r.path), bonus=r.at_leaf and bool(d.tokens))
         emitted = [d.tokens[n] for n in r.path] + [r.next_token]
         rows = [0] + [n + 1 for n in r.path]  # each emitted token was predicted at its parent's row
-        _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i, rows], emitted))
+        _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i], rows, emitted))
         _mark(s, bool(d.tokens), len(r.path), at_end=r.at_leaf)
 
 
@@ -245,12 +245,13 @@ def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, g
     return rejection_verify(tokens, lens, q, logits_to_probs(logits, params), generator)
 
 
-def _scored(s: Sequence, logits: torch.Tensor, emitted: list[int]) -> list | None:
-    """The emitted tokens' logprobs (logits [len(emitted), V]: the row that predicted each),
-    when the sequence keeps them; nothing is computed otherwise."""
+def _scored(s: Sequence, logits: torch.Tensor, rows, emitted: list[int]) -> list | None:
+    """The emitted tokens' logprobs (logits [T, V] of the row's forward; rows[j]: the position
+    that predicted emitted[j]) when the sequence keeps them; nothing is computed (or copied)
+    otherwise."""
     if s.top_logprobs is None:
         return None
-    return sequence_logprobs(logits, emitted, s.top_logprobs)
+    return [token_logprobs(logits[r], t, s.top_logprobs) for r, t in zip(rows, emitted)]
 
 
 def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache, draft_s: float, verify_s: float,
