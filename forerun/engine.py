@@ -17,7 +17,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv_cache import KVCache, chain_batch, tree_batch
-from forerun.logprobs import token_logprobs
+from forerun.logprobs import sequence_logprobs
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes
 from forerun.sampling import logits_to_probs, make_generator
@@ -251,7 +251,7 @@ def _scored(s: Sequence, logits: torch.Tensor, rows, emitted: list[int]) -> list
     otherwise."""
     if s.top_logprobs is None:
         return None
-    return [token_logprobs(logits[r], t, s.top_logprobs) for r, t in zip(rows, emitted)]
+    return sequence_logprobs(logits, emitted, s.top_logprobs, rows)
 
 
 def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache, draft_s: float, verify_s: float,

@@ -45,9 +45,11 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     return out
 
 
-def sequence_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
-    """logits [T, V] of T positions and the token chosen at each -> one dict per position."""
-    return [token_logprobs(logits[i], t, top) for i, t in enumerate(tokens)]
+def sequence_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows=None) -> list[TokenLogprobs]:
+    """logits [T, V] and the token chosen after each position -> one dict per token; rows[j]: the
+    position that predicted tokens[j] (default 0, 1, 2, ...; a token tree's accepted path skips)."""
+    rows = range(len(tokens)) if rows is None else rows
+    return [token_logprobs(logits[r], t, top) for r, t in zip(rows, tokens)]
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprobs | None]:
