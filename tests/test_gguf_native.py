@@ -83,9 +83,11 @@ def test_the_kernel_computes_the_documented_function(t):
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
 
-def test_rows_get_the_same_bits_alone_and_in_any_batch_across_mixed_parts():
+def test_rows_get_the_same_bits_alone_and_in_any_batch_across_mixed_parts(monkeypatch):
     """A fused linear of three types (K and legacy: two activation quantizations) gives each
-    token the bits it gets alone, in any batch shape, and each part its own output rows."""
+    token the bits it gets alone, in any batch shape, and each part its own output rows (the
+    row kernel throughout: a Q4_K part alone would otherwise take the packed one)."""
+    monkeypatch.setenv("FORERUN_GGUF_ROWS", "1")
     torch.manual_seed(0)
     parts = [blocks(T.Q4_K, 40, 512, 1), blocks(T.Q6_K, 24, 512, 2), blocks(T.Q5_0, 33, 512, 3)]
     lin = GGUFLinear(parts)
@@ -137,12 +139,15 @@ def test_a_part_with_a_bad_shape_is_refused():
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q8_0, "ffn_gate": T.Q4_0,
          "ffn_up": T.Q5_1, "ffn_down": T.Q4_1}
+# The last layer's MLP input in the two packed types: its fused gate/up runs on the packed
+# kernel (gguf_packed_rows.cpp) where the build has AVX512-VNNI, as a real Q4_K_M file's do.
+LAST_LAYER = {**TYPES, "ffn_gate": T.Q4_K, "ffn_up": T.Q6_K}
 
 
 def write_quantized_gguf(path, seed: int = 0, arch: str = "llama") -> None:
     """A tiny llama (or qwen2: q/k/v biases) GGUF as llama.cpp would write a quantized one:
-    every matrix in a native type (q/k/v three different ones), norms and biases F32, the
-    embedding Q5_0 and the head Q6_K."""
+    every matrix in a native type (q/k/v three different ones, the last layer's gate/up Q4_K and
+    Q6_K), norms and biases F32, the embedding Q5_0 and the head Q6_K."""
     import gguf
 
     from tests.test_gguf_convert import gpt2_byte_chars, token_type
@@ -179,7 +184,7 @@ def write_quantized_gguf(path, seed: int = 0, arch: str = "llama") -> None:
               "ffn_down": (HIDDEN, FFN)}
     for i in range(LAYERS):
         for kind, (rows, k) in shapes.items():
-            matrix(f"blk.{i}.{kind}.weight", TYPES[kind], rows, k)
+            matrix(f"blk.{i}.{kind}.weight", (LAST_LAYER if i == LAYERS - 1 else TYPES)[kind], rows, k)
         if arch == "qwen2":
             for kind in ("attn_q", "attn_k", "attn_v"):
                 w.add_tensor(f"blk.{i}.{kind}.bias", (0.1 * rng.standard_normal(shapes[kind][0])).astype(np.float32))
@@ -225,6 +230,9 @@ def test_the_model_keeps_the_files_blocks(verifier):
     model = verifier.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFLinear) and [p.type for p in qkv.parts] == [T.Q4_K, T.Q5_K, T.Q6_K]
+    gate_up = model.model.layers[-1].mlp.gate_up_proj
+    assert [p.type for p in gate_up.parts] == [T.Q4_K, T.Q6_K] and not qkv.packed
+    assert gate_up.packed == model.lm_head.packed == bool(int8_kernel.load().gguf_packed_vnni())
     assert isinstance(model.model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
     assert not any(verifier.source.glob("*.safetensors"))  # no float32 copy was written for it
 

@@ -17,6 +17,7 @@ decoding bit for bit (tests/test_gguf_native.py).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,26 +34,56 @@ NATIVE_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
                 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
+# Types the packed kernel (gguf_packed_rows.cpp) rearranges 16 rows at a time: the bulk of a
+# Q4_K_M file (Q4_K, and the Q6_K of its attn_v, ffn_down and output head).
+PACKED_TYPES = {12, 14}
+
+
 @dataclass(frozen=True)
 class Blocks:
     """One quantized matrix as the file stores it: data [rows, bytes per row] uint8, the
-    blocks of each output row in input order; type a ggml type id in NATIVE_TYPES."""
+    blocks of each output row in input order; type a ggml type id in NATIVE_TYPES. Packed
+    (`packed_rows` > 0): the same bytes rearranged 16 rows per tile, data [ceil(rows / 16),
+    K / 256 * tile-block bytes] (gguf_packed_rows.cpp), for the VNNI kernel."""
 
-    data: torch.Tensor  # [rows, K / qk * bytes] uint8
+    data: torch.Tensor  # [rows, K / qk * bytes] uint8, or packed [ceil(rows / 16), ...]
     type: int
     in_features: int
+    packed_rows: int = 0  # > 0: packed, with this many rows
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.packed_rows or self.data.shape[0]
 
     def select(self, ids: torch.Tensor) -> "Blocks":
-        return Blocks(self.data.index_select(0, ids.to(torch.long)).contiguous(), self.type, self.in_features)
+        ids = ids.to(torch.long)
+        if self.packed_rows:
+            return Blocks(_kernel().gguf_packed_select(self.data, self.type, ids, self.in_features), self.type,
+                          self.in_features, len(ids))
+        return Blocks(self.data.index_select(0, ids).contiguous(), self.type, self.in_features)
 
     def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """[len(ids) or rows, K] float32: the values the kernel computes with (ggml's dequantization)."""
-        ids = torch.arange(self.rows) if ids is None else ids
-        return _kernel().gguf_dequant_rows(self.data, self.type, ids.to(torch.long), self.in_features)
+        ids = (torch.arange(self.rows) if ids is None else ids).to(torch.long)
+        if self.packed_rows:
+            return _kernel().gguf_packed_dequant(self.data, self.type, ids, self.in_features)
+        return _kernel().gguf_dequant_rows(self.data, self.type, ids, self.in_features)
+
+    def pack(self) -> "Blocks":
+        """These blocks packed for the VNNI kernel (the same bits, rearranged); itself if packed."""
+        if self.packed_rows:
+            return self
+        return Blocks(_kernel().gguf_pack(self.data, self.type, self.in_features), self.type, self.in_features,
+                      self.rows)
+
+
+def packs(parts: list[Blocks]) -> bool:
+    """Whether a linear of these parts runs on the packed kernel: all of a packed type, K
+    whole blocks of 256, and a kernel compiled with AVX512-VNNI (elsewhere the row kernel is
+    faster than the packed one's plain C++)."""
+    kernel = _kernel()
+    return (hasattr(kernel, "gguf_packed_vnni") and kernel.gguf_packed_vnni() and not os.environ.get("FORERUN_GGUF_ROWS")
+            and all(p.type in PACKED_TYPES and p.in_features % 256 == 0 for p in parts))
 
 
 def _kernel():
@@ -71,15 +102,23 @@ class GGUFLinear(nn.Module):
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("GGUFLinear: parts with different input widths")
-        self.parts = parts
+        self.packed = packs(parts)
+        self.parts = [p.pack() for p in parts] if self.packed else parts
+        if not self.packed and any(p.packed_rows for p in parts):
+            raise ValueError("GGUFLinear: packed blocks need the packed kernel (AVX512-VNNI) and packed types only")
         self.in_features, self.out_features = parts[0].in_features, sum(p.rows for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self._bind()
 
     def _bind(self):
-        self._rows = _kernel().gguf_rows
-        self._args = ([p.data for p in self.parts], [p.type for p in self.parts],
-                      self.bias.data if self.bias is not None else torch.empty(0))
+        bias = self.bias.data if self.bias is not None else torch.empty(0)
+        datas, types = [p.data for p in self.parts], [p.type for p in self.parts]
+        if self.packed:
+            self._rows = _kernel().gguf_packed_rows
+            self._args = (datas, types, [p.rows for p in self.parts], bias)
+        else:
+            self._rows = _kernel().gguf_rows
+            self._args = (datas, types, bias)
 
     def __getstate__(self):  # deepcopy / pickle: drop the compiled function...
         return {**self.__dict__, "_rows": None, "_args": None}
@@ -266,6 +305,8 @@ def _linear(tensors: dict, sources: tuple[str, ...], module: nn.Linear, used: se
         if bias is not None:
             plain.bias = nn.Parameter(bias, requires_grad=False)
         linear = F32RowsLinear(plain, _kernel())
+    for s in sources:  # the linear holds its (maybe packed) copy: let the file's one go
+        tensors.pop(f"{s}.weight", None)
     if (linear.out_features, linear.in_features) != (module.out_features, module.in_features):
         raise ModelLoadError(f"{path}: {sources[0]} is {linear.out_features} x {linear.in_features}, the config says "
                              f"{module.out_features} x {module.in_features}")

@@ -39,6 +39,33 @@
 #include <immintrin.h>
 #endif
 
+// Each token's row quantized per block of qk values: qa [N, K] int8 in [-127, 127], da [N, K/qk]
+// (max|x| / 127 per block) and bsum [N, K/16] (the sums of qa per 16 values). Shared with
+// gguf_packed_rows.cpp.
+void gguf_quantize_acts(const float* x, int64_t N, int64_t K, int64_t qk, int8_t* qa, float* da, int16_t* bsum) {
+  at::parallel_for(0, N, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xt = x + t * K;
+      int8_t* q = qa + t * K;
+      for (int64_t b = 0; b < K / qk; ++b) {
+        float amax = 0.f;
+        for (int64_t i = b * qk; i < (b + 1) * qk; ++i) amax = std::max(amax, std::fabs(xt[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = b * qk; i < (b + 1) * qk; ++i) {
+          const float v = std::nearbyint(xt[i] * inv);
+          q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        }
+        da[t * (K / qk) + b] = amax / 127.f;
+      }
+      for (int64_t s = 0; s < K / 16; ++s) {
+        int sum = 0;
+        for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
+        bsum[t * (K / 16) + s] = static_cast<int16_t>(sum);
+      }
+    }
+  });
+}
+
 namespace {
 
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
@@ -289,27 +316,7 @@ Acts quantize_acts(const float* x, int64_t N, int64_t K, int64_t qk) {
   a.qa.resize(N * K);
   a.da.resize(N * (K / qk));
   a.bsum.resize(N * (K / 16));
-  at::parallel_for(0, N, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* xt = x + t * K;
-      int8_t* q = &a.qa[t * K];
-      for (int64_t b = 0; b < K / qk; ++b) {
-        float amax = 0.f;
-        for (int64_t i = b * qk; i < (b + 1) * qk; ++i) amax = std::max(amax, std::fabs(xt[i]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t i = b * qk; i < (b + 1) * qk; ++i) {
-          const float v = std::nearbyint(xt[i] * inv);
-          q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-        }
-        a.da[t * (K / qk) + b] = amax / 127.f;
-      }
-      for (int64_t s = 0; s < K / 16; ++s) {
-        int sum = 0;
-        for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
-        a.bsum[t * (K / 16) + s] = static_cast<int16_t>(sum);
-      }
-    }
-  });
+  gguf_quantize_acts(x, N, K, qk, a.qa.data(), a.da.data(), a.bsum.data());
   return a;
 }
 
@@ -417,6 +424,11 @@ void row_dots(const uint8_t* row, int64_t K, const Acts& a, int64_t N, Block& w,
 }
 
 }  // namespace
+
+// One block decoded into the common shape (decode_block, the scalar definition): for gguf_packed_rows.cpp.
+float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc, int16_t* mn) {
+  return decode_block(type, p, q, sc, mn).d;
+}
 
 // x [..., K] float32; parts: uint8 [rows_i, K / qk_i * bytes_i] of block types types[i]; the
 // output [..., sum rows_i] holds the parts' rows in order (+ bias [sum rows_i] when given).

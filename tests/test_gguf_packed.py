@@ -1,0 +1,101 @@
+"""The packed GGUF kernel (gguf_packed_rows.cpp): Q4_K and Q6_K rows rearranged 16 at a time.
+
+Packing keeps the file's bits (dequantizing the packed form is ggml's reference, bit for bit,
+also for row counts that leave a tile part empty, and for rows picked out of it), the kernel
+computes the same documented function as the row kernel, and a token gets the same bits alone
+or in any batch. The kernel entry points are called directly, so these run at every ISA level
+(test_isa_levels.py): the AVX512-VNNI path where the build has it, the plain C++ one elsewhere."""
+import numpy as np
+import pytest
+import torch
+
+from forerun.models import int8_kernel
+
+pytestmark = pytest.mark.skipif(int8_kernel.load() is None or not hasattr(int8_kernel.load(), "gguf_pack"),
+                                reason="the packed GGUF kernel needs the compiled kernels")
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import quants  # noqa: E402
+
+from forerun.models.gguf_native import GGUFLinear, packs  # noqa: E402
+from tests.test_gguf_native import blocks, reference  # noqa: E402
+
+PACKED = [T.Q4_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
+@pytest.mark.parametrize("rows", [16, 37, 5])
+def test_packing_keeps_the_files_values_bit_for_bit(t, rows):
+    b = blocks(t, rows, 512, seed=rows + int(t))
+    ref = quants.dequantize(b.data.numpy(), t).reshape(rows, 512)
+    p = b.pack()
+    assert p.packed_rows == rows and p.rows == rows and p.data.shape[0] == (rows + 15) // 16
+    assert np.array_equal(p.dequantize().numpy(), ref)
+    ids = torch.tensor([rows - 1, 0, rows // 2, rows // 2])
+    assert np.array_equal(p.dequantize(ids).numpy(), ref[ids.numpy()])
+    sub = p.select(ids)  # a reduced head: the chosen rows, packed again
+    assert sub.rows == 4 and np.array_equal(sub.dequantize().numpy(), ref[ids.numpy()])
+
+
+def packed_rows(x: torch.Tensor, parts, bias=None) -> torch.Tensor:
+    packed = [p.pack() for p in parts]
+    return int8_kernel.load().gguf_packed_rows(x, [p.data for p in packed], [p.type for p in packed],
+                                               [p.rows for p in packed], torch.empty(0) if bias is None else bias)
+
+
+@pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
+def test_the_packed_kernel_computes_the_documented_function(t):
+    torch.manual_seed(int(t))
+    w = blocks(t, 45, 768, seed=int(t) + 1)
+    bias = torch.randn(45)
+    x = torch.randn(9, 768) * 2
+    x[:, 5] = 40.0  # one large channel: its block's scale, not the others'
+    ref = reference(x, w) + bias.double()
+    y = packed_rows(x, [w], bias)
+    assert y.shape == (9, 45)
+    assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+
+
+def test_packed_rows_get_the_same_bits_alone_and_in_any_batch():
+    """Token tiles of 1 to 4 (and more tokens than a tile): a token's bits never depend on
+    its batch-mates; a fused linear of both types gives each part its own output rows."""
+    torch.manual_seed(0)
+    parts = [blocks(T.Q4_K, 40, 512, 1), blocks(T.Q6_K, 24, 512, 2), blocks(T.Q4_K, 3, 512, 3)]
+    x = torch.randn(21, 512)
+    together = packed_rows(x, parts)
+    for i in range(21):
+        assert torch.equal(packed_rows(x[i : i + 1], parts), together[i : i + 1])
+    for a, b in [(0, 2), (2, 5), (5, 21), (1, 17), (3, 7)]:
+        assert torch.equal(packed_rows(x[a:b], parts), together[a:b])
+    assert torch.equal(packed_rows(x.view(3, 7, 512), parts).view(21, -1), together)
+    start = 0
+    for p in parts:
+        assert torch.equal(packed_rows(x, [p]), together[:, start : start + p.rows])
+        start += p.rows
+
+
+def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function():
+    parts = [blocks(T.Q4_K, 20, 256, 4), blocks(T.Q6_K, 12, 256, 5)]
+    lin = GGUFLinear(parts)
+    assert lin.packed == packs(parts) == bool(int8_kernel.load().gguf_packed_vnni())
+    x = torch.randn(3, 256)
+    ref = torch.cat([reference(x, p) for p in parts], 1)
+    assert (lin(x).double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+    ids = torch.tensor([31, 0, 19, 20])
+    full = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(lin.float_rows(ids), full[ids])
+    head = GGUFLinear([parts[0]])
+    sub = head.select_rows(torch.tensor([3, 7]))
+    assert torch.equal(sub(x), head(x)[:, [3, 7]])
+    assert not GGUFLinear([parts[0], blocks(T.Q8_0, 8, 256, 6)]).packed  # a legacy part: the row kernel
+
+
+def test_bad_packed_input_is_refused():
+    kernel = int8_kernel.load()
+    w = blocks(T.Q4_K, 8, 512).pack()
+    with pytest.raises(RuntimeError, match="no packed kernel"):
+        kernel.gguf_pack(blocks(T.Q5_K, 8, 512).data, int(T.Q5_K), 512)
+    with pytest.raises(RuntimeError, match="packed part"):
+        kernel.gguf_packed_rows(torch.randn(2, 512), [w.data], [w.type], [40], torch.empty(0))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.gguf_packed_select(w.data, w.type, torch.tensor([16]), 512)
