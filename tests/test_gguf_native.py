@@ -237,6 +237,27 @@ def test_the_model_keeps_the_files_blocks(verifier):
     assert not any(verifier.source.glob("*.safetensors"))  # no float32 copy was written for it
 
 
+def test_a_gguf_layer_in_one_call_gives_the_op_by_op_bits(verifier):
+    """The RMSNorms run inside the linears they feed (absorb_norm), so a llama layer at gguf
+    runs in one C++ call (layer_rows.cpp): the same logits as its Python ops, and the path
+    chain forwards take."""
+    import copy
+
+    from tests.test_int8_identity import _assert_same_chain_logits
+
+    fused = copy.deepcopy(verifier.model)
+    calls = []
+    for layer in fused.model.layers:
+        assert isinstance(layer.input_layernorm, torch.nn.Identity) and layer.self_attn.qkv_proj.pre_norm is not None
+        assert layer.fused_block is not None and layer.mlp.gate_up_proj.kernel_linear is not None
+        layer.fused_block = lambda *a, f=layer.fused_block: calls.append(1) or f(*a)
+    plain = copy.deepcopy(fused)
+    for layer in plain.model.layers:
+        layer.fused_block = None
+    _assert_same_chain_logits(fused, plain)
+    assert len(calls) == 4 * len(fused.model.layers)
+
+
 def test_gguf_logits_follow_the_float32_model_of_the_same_file(tiny_gguf, verifier):
     """float32 computes the file's dequantized weights exactly; gguf differs only by its
     8-bit activations (and llama.cpp's q/k row order is undone the same way on both paths)."""

@@ -8,7 +8,11 @@ gguf_rows.cpp) and the activations are quantized per block of the weight's width
 llama.cpp does: the model llama.cpp runs, at its fidelity.
 
 Weights are read once from the mapped file into memory (rows of a llama q/k projection put
-back in Hugging Face's RoPE order: a reordering of whole rows, the bytes unchanged). The
+back in Hugging Face's RoPE order: a reordering of whole rows, the bytes unchanged). Where the
+kernels have AVX512-VNNI, a linear whose parts are all Q4_K / Q6_K (the bulk of a Q4_K_M file)
+has its rows rearranged 16 per tile (gguf_packed_rows.cpp: the same bits, 16 outputs per VNNI
+instruction); other linears, and every linear elsewhere, read the file's row-major blocks
+(gguf_rows.cpp). FORERUN_GGUF_ROWS=1 forces the row kernel. The
 embedding table is read from its blocks too, one looked-up row at a time. Tensors of other
 types (float norms and biases, a float or unsupported-type matrix) are dequantized to
 float32 exactly as the float32 path does. Each token's output is one instruction sequence
@@ -102,6 +106,7 @@ class GGUFLinear(nn.Module):
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("GGUFLinear: parts with different input widths")
+        self.pre_norm = None  # an RMSNorm run first (see absorb_norm)
         self.packed = packs(parts)
         self.parts = [p.pack() for p in parts] if self.packed else parts
         if not self.packed and any(p.packed_rows for p in parts):
@@ -111,17 +116,36 @@ class GGUFLinear(nn.Module):
         self._bind()
 
     def _bind(self):
-        bias = self.bias.data if self.bias is not None else torch.empty(0)
+        kernel, bias = _kernel(), self.bias.data if self.bias is not None else torch.empty(0)
         datas, types = [p.data for p in self.parts], [p.type for p in self.parts]
         if self.packed:
-            self._rows = _kernel().gguf_packed_rows
+            self._rows = kernel.gguf_packed_rows
             self._args = (datas, types, [p.rows for p in self.parts], bias)
         else:
-            self._rows = _kernel().gguf_rows
+            self._rows = kernel.gguf_rows
             self._args = (datas, types, bias)
+        pre_norm = getattr(self, "pre_norm", None)
+        norm_w, eps = (pre_norm.weight.data, float(pre_norm.eps)) if pre_norm is not None else (torch.empty(0), 0.0)
+        self._norm = (kernel.rms_norm_rows, norm_w, eps) if pre_norm is not None else None
+        # the same call bound in C++, for a whole decoder layer in one call (layer_rows.cpp)
+        make = getattr(getattr(kernel, "KernelLinear", None), "gguf", None)
+        self.kernel_linear = None if make is None else make(self.packed, datas, types, [p.rows for p in self.parts],
+                                                            bias, norm_w, eps)
+
+    def absorb_norm(self, norm: nn.Module) -> bool:
+        """Compute linear(norm(x)) from here on, the RMSNorm run by the kernels' rms_norm_rows
+        just before this linear's kernel, on every path (one call, or the layer's C++ call):
+        the caller drops its own call to `norm`. False (nothing changed) for a norm other than
+        a float32 RMSNorm (Gemma's keep theirs)."""
+        if (type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32
+                or not hasattr(_kernel(), "rms_norm_rows")):
+            return False
+        self.pre_norm = norm
+        self._bind()
+        return True
 
     def __getstate__(self):  # deepcopy / pickle: drop the compiled function...
-        return {**self.__dict__, "_rows": None, "_args": None}
+        return {**self.__dict__, "_rows": None, "_args": None, "_norm": None, "kernel_linear": None}
 
     def __setstate__(self, state):  # ...and find it again
         super().__setstate__(state)
@@ -129,7 +153,11 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        y = self._rows(x if dtype == torch.float32 else x.float(), *self._args)
+        x = x if dtype == torch.float32 else x.float()
+        if self._norm is not None:
+            norm, w, eps = self._norm
+            x = norm(x, w, eps)
+        y = self._rows(x, *self._args)
         return y if dtype == torch.float32 else y.to(dtype)
 
     def float_rows(self, ids: torch.Tensor) -> torch.Tensor:

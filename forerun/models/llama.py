@@ -214,16 +214,16 @@ class LlamaForCausalLM(DecoderBase):
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     def use_int8_kernels(self, kernel) -> None:
-        """For the int8 and int4 models, with forerun's compiled kernels (models/int8_kernel.py):
+        """For the int8, int4 and gguf models, with forerun's compiled kernels (models/int8_kernel.py):
         - each layer's two RMSNorms run inside the kernel of the one linear they feed
           (q/k/v, gate/up), and the layer's own norm call goes away;
         - chain attention over fewer than WIDE_ROWS tokens runs one query at a time.
-        Together with the per-token int8 linears this makes a forward batch-invariant: a
+        Together with the per-token linears this makes a forward batch-invariant: a
         drafted token scored among k others gets the bits plain decoding would give it,
-        so int8 speculative decoding reproduces int8 plain decoding exactly."""
+        so speculative decoding reproduces plain decoding exactly at these precisions."""
         for layer in self.model.layers:
             for norm_name, linear in (("input_layernorm", layer.self_attn.qkv_proj), ("post_attention_layernorm", layer.mlp.gate_up_proj)):
-                absorb = getattr(linear, "absorb_norm", None)  # Int8Linear, Int4Linear
+                absorb = getattr(linear, "absorb_norm", None)  # Int8Linear, Int4Linear, GGUFLinear
                 if absorb is not None and absorb(getattr(layer, norm_name)):
                     setattr(layer, norm_name, nn.Identity())
             # both norms inside their linears: the layer can run as one call

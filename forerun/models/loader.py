@@ -179,10 +179,10 @@ def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
             to_int4_(model)
         except RuntimeError as e:
             raise ModelLoadError(str(e)) from None
-    elif dtype == "gguf" and hasattr(model, "use_chain_attention_kernel"):  # per-query chain attention: a row's bits never depend on its batch-mates
+    elif dtype == "gguf" and hasattr(model, "use_int8_kernels"):  # per-query chain attention: a row's bits never depend on its batch-mates
         from forerun.models import int8_kernel
 
-        model.use_chain_attention_kernel(int8_kernel.load())
+        model.use_int8_kernels(int8_kernel.load())  # llama: RMSNorms folded into the linears, a layer in one call
     elif dtype == "float32" and torch.device(device).type == "cpu":
         from forerun.models import int8_kernel
         from forerun.models.f32_linear import use_f32_kernels_
