@@ -81,6 +81,18 @@ def test_float32_vs_int8_on_a_tiny_model():
     assert 1 < ref.ppl < math.inf and int8.ppl_vs_ref == pytest.approx((int8.ppl / ref.ppl - 1) * 100)
 
 
+def test_a_precision_given_as_a_loader_is_loaded_in_its_turn_with_the_same_row():
+    """`forerun quality` hands evaluate a loader per precision (one model besides the
+    reference in memory at a time); its row equals the one from the model itself."""
+    size = dict(hidden_size=64, intermediate_size=128, vocab_size=64, logit_scale=4.0)
+    ref, int8 = tiny_model(seed=1, dtype="float32", **size), tiny_model(seed=1, dtype="int8", **size)
+    events = []
+    rows = evaluate({"float32": ref, "int8": lambda: events.append("load") or int8}, chunks_of(64, 2, 32),
+                    progress=lambda: events.append("chunk"))
+    assert events == ["chunk", "chunk", "load", "chunk", "chunk"]  # the reference's chunks, then the loader
+    assert rows == evaluate({"float32": ref, "int8": int8}, chunks_of(64, 2, 32))
+
+
 def test_scored_positions_are_the_teacher_forced_ones():
     """Our PPL equals the one from the model's full teacher-forced logits, scored by hand."""
     model = tiny_model(seed=2, dtype="float64")

@@ -296,6 +296,7 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
 
 def cmd_quality(args) -> int:
     from dataclasses import asdict
+    from functools import partial
 
     import torch
     from tqdm import tqdm
@@ -322,7 +323,7 @@ def cmd_quality(args) -> int:
         raise ForerunError(f"the text is {len(ids)} tokens; --ctx {args.ctx} needs at least {2 * args.ctx}")
     chunks = make_chunks(ids, args.ctx, args.chunks, bos)
     dtypes = _quality_dtypes(args.dtype, lambda d: resolve_dtype(d, ref.source))
-    models = {"float32": ref.model, **{d: load_model(ref.source, d) for d in dtypes}}
+    models = {"float32": ref.model, **{d: partial(load_model, ref.source, d) for d in dtypes}}  # loaded in turn
     print(f"forerun: {ref.name}: {len(chunks)} chunks of {args.ctx} tokens ({len(scored_span(args.ctx))} scored "
           f"a chunk) from {', '.join(Path(s).name for s in sources)}", file=sys.stderr, flush=True)
     with tqdm(total=len(chunks) * len(models), desc="chunk x precision", file=sys.stderr) as bar:

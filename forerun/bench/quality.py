@@ -131,25 +131,42 @@ def chunk_logprobs(model, chunk: list[int]) -> torch.Tensor:
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
-def evaluate(models: dict[str, torch.nn.Module], chunks: list[list[int]],
+def evaluate(models: dict[str, torch.nn.Module | Callable[[], torch.nn.Module]], chunks: list[list[int]],
              progress: Callable[[], None] | None = None) -> list[QualityRow]:
-    """One row per model (label -> model; the first is the float32 reference, its row KL 0 and
-    agreement 1). Chunk by chunk, so one chunk's log-probs per model are held at a time."""
+    """One row per model (label -> model, or a function that loads it; the first is the float32
+    reference, its row KL 0 and agreement 1). Precision after precision: a loader's model is
+    loaded when its turn comes and dropped after its chunks, so one model besides the
+    reference is in memory at a time (the 1.5B's float32, int8 and int4 together outgrow 24 GB);
+    the reference's log-probs of the scored positions are kept meanwhile ([N, V] float32 a chunk)."""
     if not chunks:
         raise ForerunError("no chunk to score")
     labels = list(models)
+    ref_model = _model(models[labels[0]])
+    refs = []
     tallies = {label: Tally() for label in labels}
     for chunk in chunks:
-        first = scored_span(len(chunk)).start
-        ref = chunk_logprobs(models[labels[0]], chunk)
-        targets = torch.tensor(chunk[first + 1 :], device=ref.device)
-        for label in labels:
-            lp = ref if label == labels[0] else chunk_logprobs(models[label], chunk).to(ref.device)
-            tallies[label].add(ref, lp, targets)
+        refs.append(chunk_logprobs(ref_model, chunk))
+        tallies[labels[0]].add(refs[-1], refs[-1], _targets(chunk, refs[-1].device))
+        if progress is not None:
+            progress()
+    for label in labels[1:]:
+        model = _model(models[label])
+        for chunk, ref in zip(chunks, refs):
+            tallies[label].add(ref, chunk_logprobs(model, chunk).to(ref.device), _targets(chunk, ref.device))
             if progress is not None:
                 progress()
+        del model
     ref_ppl = perplexity(tallies[labels[0]].nll, tallies[labels[0]].tokens)
     return [QualityRow.from_tally(label, t, ref_ppl) for label, t in tallies.items()]
+
+
+def _model(entry):
+    return entry if isinstance(entry, torch.nn.Module) else entry()
+
+
+def _targets(chunk: list[int], device) -> torch.Tensor:
+    """The tokens the scored positions predict."""
+    return torch.tensor(chunk[scored_span(len(chunk)).start + 1 :], device=device)
 
 
 # --- llama.cpp ---------------------------------------------------------------------------------
