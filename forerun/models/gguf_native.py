@@ -124,28 +124,26 @@ class GGUFLinear(nn.Module):
         else:
             self._rows = kernel.gguf_rows
             self._args = (datas, types, bias)
-        pre_norm = getattr(self, "pre_norm", None)
-        norm_w, eps = (pre_norm.weight.data, float(pre_norm.eps)) if pre_norm is not None else (torch.empty(0), 0.0)
-        self._norm = (kernel.rms_norm_rows, norm_w, eps) if pre_norm is not None else None
-        # the same call bound in C++, for a whole decoder layer in one call (layer_rows.cpp)
+        norm = self.pre_norm
+        norm_w, eps = (norm.weight.data, float(norm.eps)) if norm is not None else (torch.empty(0), 0.0)
+        # the same call bound in C++ (the absorbed RMSNorm first), for a whole decoder layer in one call (layer_rows.cpp)
         make = getattr(getattr(kernel, "KernelLinear", None), "gguf", None)
         self.kernel_linear = None if make is None else make(self.packed, datas, types, [p.rows for p in self.parts],
                                                             bias, norm_w, eps)
 
     def absorb_norm(self, norm: nn.Module) -> bool:
         """Compute linear(norm(x)) from here on, the RMSNorm run by the kernels' rms_norm_rows
-        just before this linear's kernel, on every path (one call, or the layer's C++ call):
-        the caller drops its own call to `norm`. False (nothing changed) for a norm other than
-        a float32 RMSNorm (Gemma's keep theirs)."""
-        if (type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32
-                or not hasattr(_kernel(), "rms_norm_rows")):
+        just before this linear's kernel, both inside the one bound call (kernel_linear) that
+        forward and the layer's C++ call use: the caller drops its own call to `norm`. False
+        (nothing changed) for a norm other than a float32 RMSNorm (Gemma's keep theirs)."""
+        if type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32 or self.kernel_linear is None:
             return False
         self.pre_norm = norm
         self._bind()
         return True
 
     def __getstate__(self):  # deepcopy / pickle: drop the compiled function...
-        return {**self.__dict__, "_rows": None, "_args": None, "_norm": None, "kernel_linear": None}
+        return {**self.__dict__, "_rows": None, "_args": None, "kernel_linear": None}
 
     def __setstate__(self, state):  # ...and find it again
         super().__setstate__(state)
@@ -154,10 +152,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x if dtype == torch.float32 else x.float()
-        if self._norm is not None:
-            norm, w, eps = self._norm
-            x = norm(x, w, eps)
-        y = self._rows(x, *self._args)
+        y = self.kernel_linear(x) if self.pre_norm is not None else self._rows(x, *self._args)
         return y if dtype == torch.float32 else y.to(dtype)
 
     def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
