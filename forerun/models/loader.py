@@ -123,6 +123,13 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
         model = _on_meta(folder)
         place_native_(model, source)
         return finish_model(model, dtype, device)
+    if dtype in ("int8", "int4") and _from_blocks(folder, device):  # no float32 copy of the file, on disk or in memory
+        from forerun.models.gguf_native import native_source, place_native_, requantize_
+
+        model = _on_meta(folder)
+        place_native_(model, native_source(folder, device))
+        requantize_(model, dtype)
+        return finish_model(model, dtype, device)
     model = _on_meta(folder)
     cfg = model.config
     ensure_float_weights(folder)
@@ -148,6 +155,13 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
     return finish_model(model, dtype, device)
 
 
+def _from_blocks(folder: Path, device) -> bool:
+    """Whether int8 / int4 for `folder` are quantized straight from its GGUF file's blocks (one
+    matrix dequantized at a time: the same values as the float32 copy, which is then never
+    written): a folder converted from a GGUF the native kernels read, on the CPU."""
+    return torch.device(device).type == "cpu" and resolve_dtype("auto", folder, device) == "gguf"
+
+
 def _on_meta(folder: Path) -> torch.nn.Module:
     """The decoder class MODEL_CLASSES names for the folder's config.json, without weights yet."""
     cfg = ModelConfig.from_file(folder / "config.json")
@@ -158,7 +172,10 @@ def _on_meta(folder: Path) -> torch.nn.Module:
 def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
     """Tie, place, quantise; the common tail of every way of building a model."""
     cfg = model.config
-    if cfg.tie_word_embeddings and dtype != "gguf":  # (gguf: the head already reads the embedding's blocks)
+    from forerun.models.gguf_native import GGUFEmbedding
+
+    # (built from the file's blocks, the head already reads the embedding's)
+    if cfg.tie_word_embeddings and dtype != "gguf" and not isinstance(model.model.embed_tokens, GGUFEmbedding):
         model.lm_head.weight = model.model.embed_tokens.weight
     # Built on the meta device, the RoPE buffers hold no data yet: compute them here.
     if isinstance(model, LlamaForCausalLM):

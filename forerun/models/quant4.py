@@ -28,10 +28,16 @@ from forerun.models.quant import activation_qparams
 GROUP = 64  # inputs per scale / minimum
 
 
+ROW_CHUNK = 4096  # rows quantized together (an LM head's 151936 x 1536 at once held ~5 float copies of it)
+
+
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[M, K] float -> u [M, Kp] uint8 in 0..15, d and m [M, Kp/64] float16 (K padded with
     zero weights up to Kp, a multiple of 64: u = 0, and d = m = 0 for an all-padding group)."""
     M, K = w.shape
+    if M > ROW_CHUNK:  # rows are independent: a chunk at a time bounds the float temporaries below
+        parts = [quantize_groups(w[i : i + ROW_CHUNK]) for i in range(0, M, ROW_CHUNK)]
+        return tuple(torch.cat(p) for p in zip(*parts))
     Kp = -(-K // GROUP) * GROUP
     wp = torch.zeros(M, Kp, dtype=torch.float32)
     wp[:, :K] = w.float()
