@@ -1,4 +1,4 @@
-"""int4 (4-bit weights in groups of 64, per-token int8 activations): the kernel computes
+"""int4 (4-bit weights in groups of 64, int8 activations per group of 64): the kernel computes
 the documented function, a token's bits never depend on its batch-mates, and so int4
 speculative decoding emits exactly what int4 plain decoding emits."""
 import pytest
@@ -8,7 +8,6 @@ from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
 from forerun.metrics import merge
 from forerun.models import int8_kernel
-from forerun.models.quant import activation_qparams
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="int4 needs the compiled kernels")
@@ -17,13 +16,17 @@ from forerun.models.quant4 import GROUP, Int4Linear, dequantize_groups, quantize
 
 
 def reference(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """float64 of the documented function: per-token quantised activations x dequantised weights."""
+    """float64 of the documented function: int8 activations with one scale per group of 64
+    inputs (amax / 127) x the dequantised weights."""
     if lin.pre_norm is not None:
         x = lin.pre_norm(x)
-    scale, zero = activation_qparams()
-    row_max = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-    a = torch.clamp(torch.round(torch.addcmul(torch.full_like(x, float(zero)), x / row_max, torch.full_like(x, 1 / scale))), 0, 255) - zero
-    y = (a.double() @ lin.weight.double().T) * scale * row_max.double()
+    N, K = x.shape
+    Kp = -(-K // GROUP) * GROUP
+    groups = torch.nn.functional.pad(x, (0, Kp - K)).view(N, Kp // GROUP, GROUP)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    a = torch.where(amax > 0, torch.round(groups * (127 / amax)), 0.0)
+    xq = (a.double() * (amax.double() / 127)).view(N, Kp)[:, :K]
+    y = xq @ lin.weight.double().T
     return y if lin.bias is None else y + lin.bias.double()
 
 

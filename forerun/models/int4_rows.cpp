@@ -1,14 +1,17 @@
 // int4 linear: 4-bit weights in groups of 64 inputs (a scale and a minimum per group, as
-// GGUF's Q4_1 / Q4_K sub-blocks have), per-token uint8 activations (int8_rows.cpp's
-// quantize_rows: the same activation bytes as the int8 path), int32 dot products per group.
+// GGUF's Q4_1 / Q4_K sub-blocks have), int8 activations with one scale per group of 64 inputs
+// too (as llama.cpp's Q8 activation blocks: a few large channels no longer flatten the rest
+// of the token, as one scale per token did), int32 dot products per group.
 //
-// Numerics, per token row x and output j (g: a group of 64 inputs):
+// Numerics, per token row x (after the folded RMSNorm, if any) and output j (g: a group of 64
+// inputs; K padded with zeros to Kp):
 //   w[j, k] = d[j, g] * u[j, k] + m[j, g]      u in 0..15, d and m float16
-//   a[k]    = q[k] - zero  (in [-64, 64])       q: x / max|x| quantised as int8_rows does
-//   S_j     = sum over g, in order, of  fma(m[j,g], sa[g], fma(float(dp[j,g]), d[j,g], S))
-//             with dp[j,g] = sum_k a[k] u[j,k]  (exact int32) and sa[g] = sum_k a[k] (exact)
-//   y_j     = S_j * (x_scale * max|x|) + bias[j]
-// so S_j = sum_k a[k] w[j,k]. Every token runs this same instruction sequence
+//   amax_g  = max_{k in g} |x[k]|;  a[k] = nearbyint(x[k] * (127 / amax_g)) in [-127, 127]
+//   s_g     = amax_g / 127  (a = 0 and s_g = 0 for an all-zero group);  sa[g] = sum_{k in g} a[k]
+//   S_j     = sum over g, in order, of  fma(fma(float(dp[j,g]), d[j,g], m[j,g] * sa[g]), s_g, S)
+//             with dp[j,g] = sum_{k in g} a[k] u[j,k]  (exact int32)
+//   y_j     = S_j + bias[j]
+// so S_j = sum_g s_g sum_{k in g} a[k] w[j,k]. Every token runs this same instruction sequence
 // whatever its batch-mates, for any number of rows: one kernel serves decoding, verification
 // and prefill, and the int4 model is batch-invariant like the int8 one.
 #include <torch/extension.h>
@@ -25,8 +28,7 @@
 #define FORERUN_VNNI4 1
 #endif
 
-void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, float inv,
-                   int32_t zero, uint8_t* q, float* row_max);  // int8_rows.cpp
+void rms_norm_row(const float* r, const float* w, int64_t K, double eps, float* out);  // int8_rows.cpp
 
 // Packed weights (quant4.pack_int4): [Mp/16, G, 8, 64] bytes. Block b holds 16 outputs; in
 // group g, byte 4*l + j of vector i holds u[out l, k = 64g + 8i + j] in its low nibble and
@@ -50,14 +52,14 @@ static inline float half_to_float(uint16_t h) {
 // tile; each token's 4 activation bytes are broadcast once for the CB blocks (CB = 2 for 1-2
 // tokens; for more, one block at a time keeps TB int and TB float accumulators in registers).
 // VNNI multiplies unsigned by signed bytes: the weights' nibbles are the unsigned side,
-// the activations a = q - zero (in [-64, 64]) the signed one.
+// the activations a (in [-127, 127]) the signed one.
 // Few tokens (SPLIT): low nibbles as v & 0x0F, high ones as v & 0xF0 = 16u into a second
 // accumulator, joined as lo + (hi >> 4) (one op less per load, twice the chains); many
 // tokens: (v >> 4) & 0x0F into the same accumulator (registers are short). Both give the
 // same exact int32 dot product, so the tile size never changes a bit.
 template <int TB, bool SPLIT, int CB>
-static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int64_t G, const uint8_t* w,
-                              const uint16_t* d, const uint16_t* m, float* out) {
+static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
+                              const uint8_t* w, const uint16_t* d, const uint16_t* m, float* out) {
   const int64_t block_bytes = G * VECS * 64;
 #ifdef FORERUN_VNNI4
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
@@ -99,8 +101,9 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int6
       for (int t = 0; t < TB; ++t) {
         __m512i dp = acc[b][t];
         if constexpr (SPLIT) dp = _mm512_add_epi32(dp, _mm512_srai_epi32(acc2[b][t], 4));  // exact: 16 | acc2
-        facc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), dv, facc[b][t]);
-        facc[b][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sa[t * G + g]), facc[b][t]);
+        const __m512 ms = _mm512_mul_ps(mv, _mm512_set1_ps(sa[t * G + g]));
+        const __m512 gj = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), dv, ms);
+        facc[b][t] = _mm512_fmadd_ps(gj, _mm512_set1_ps(sg[t * G + g]), facc[b][t]);
       }
     }
   }
@@ -120,8 +123,9 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int6
               dp += int32_t(a[t * Kp + g * GROUP + 8 * i + j]) * int32_t(byte & 0x0F);
               dp += int32_t(a[t * Kp + g * GROUP + 8 * i + 4 + j]) * int32_t(byte >> 4);
             }
-          s = std::fma(static_cast<float>(dp), half_to_float(d[(b * G + g) * OUT_BLOCK + l]), s);
-          s = std::fma(half_to_float(m[(b * G + g) * OUT_BLOCK + l]), sa[t * G + g], s);
+          const float ms = half_to_float(m[(b * G + g) * OUT_BLOCK + l]) * sa[t * G + g];
+          const float gj = std::fma(static_cast<float>(dp), half_to_float(d[(b * G + g) * OUT_BLOCK + l]), ms);
+          s = std::fma(gj, sg[t * G + g], s);
         }
         out[(b * TB + t) * OUT_BLOCK + l] = s;
       }
@@ -130,18 +134,47 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, int6
 
 // Many tokens: one output block at a time (TB accumulators + TB float sums stay in registers).
 template <int TB>
-static inline void one_by_one(const int8_t* a, int64_t Kp, const float* sa, int64_t G, const uint8_t* w,
-                              const uint16_t* d, const uint16_t* m, float* out) {
+static inline void one_by_one(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
+                              const uint8_t* w, const uint16_t* d, const uint16_t* m, float* out) {
   for (int b = 0; b < CHUNK_BLOCKS; ++b)
-    chunk_dots<TB, false, 1>(a, Kp, sa, G, w + b * G * VECS * 64, d + b * G * OUT_BLOCK, m + b * G * OUT_BLOCK,
+    chunk_dots<TB, false, 1>(a, Kp, sa, sg, G, w + b * G * VECS * 64, d + b * G * OUT_BLOCK, m + b * G * OUT_BLOCK,
                              out + b * TB * OUT_BLOCK);
+}
+
+// One row's activations, per group of 64 (the numerics above): a [Kp] int8, sa, sg [G]. The
+// 16-wide loop gives the scalar loop's bytes (max is exact; one IEEE multiply and a
+// round-to-nearest-even per element).
+static void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * GROUP, n = std::max<int64_t>(0, std::min<int64_t>(GROUP, K - k0));
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(r[k0 + k]));
+    int8_t* ag = a + k0;
+    std::memset(ag, 0, GROUP);
+    int32_t sum = 0;
+    if (amax > 0.f) {
+      const float inv = 127.f / amax;
+      int64_t k = 0;
+#ifdef FORERUN_VNNI4
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (; k + 16 <= n; k += 16) {
+        const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k0 + k), iv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ag + k), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(v)));
+      }
+#endif
+      for (; k < n; ++k) ag[k] = static_cast<int8_t>(std::nearbyint(r[k0 + k] * inv));
+      for (k = 0; k < n; ++k) sum += ag[k];
+    }
+    sa[g] = static_cast<float>(sum);
+    sg[g] = amax / 127.f;
+  }
 }
 
 // x [..., K] float32; w [Mp/16, G, 8, 64] uint8; d, m [Mp/16, G, 16] float16;
 // bias [M] or empty; norm_w [K] or empty (an RMSNorm folded in first) -> [..., M] float32.
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
-                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero,
-                        int64_t M) {
+                        torch::Tensor bias, torch::Tensor norm_w, double eps, int64_t M) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "x: float32 [..., K]");
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == VECS &&
               w.size(3) == 64 && w.size(0) % CHUNK_BLOCKS == 0, "w: packed uint8 [Mp/16, G, 8, 64], Mp % 32 == 0");
@@ -155,25 +188,20 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
   TORCH_CHECK(Kp >= K && Kp < K + GROUP, "packed weight does not fit x");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == M, "bias: [M] or empty");
   TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
-  const float xs = static_cast<float>(x_scale);
-  const int32_t zero = static_cast<int32_t>(x_zero);
-  // Rows are scaled into [-1, 1], so |q - zero| <= 1 / x_scale + 1: it must fit a signed byte.
-  TORCH_CHECK(1.0 / x_scale + 1.0 <= 127.0, "x_scale too fine: q - zero would not fit int8");
-  std::vector<uint8_t> q(N * Kp, static_cast<uint8_t>(zero));  // padding: a = 0 there
-  std::vector<float> row_max(N), sa(N * G);
-  quantize_rows(x.data_ptr<float>(), N, K, Kp, norm_w.numel() ? norm_w.data_ptr<float>() : nullptr, eps, 1.0f / xs,
-                zero, q.data(), row_max.data());
-  std::vector<int8_t> act(N * Kp);  // a = q - zero
-  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {  // rows are independent (integer sums: exact)
-    for (int64_t i = i0; i < i1; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t s = 0;
-        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
-          act[i * Kp + k] = static_cast<int8_t>(int32_t(q[i * Kp + k]) - zero);
-          s += act[i * Kp + k];
-        }
-        sa[i * G + g] = static_cast<float>(s);
+  std::vector<int8_t> act(N * Kp);
+  std::vector<float> sa(N * G), sg(N * G);
+  const float* xp = x.data_ptr<float>();
+  const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
+  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {  // rows are independent
+    std::vector<float> normed(nw ? K : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* r = xp + i * K;
+      if (nw) {
+        rms_norm_row(r, nw, K, eps, normed.data());
+        r = normed.data();
       }
+      quantize_groups_row(r, K, G, act.data() + i * Kp, sa.data() + i * G, sg.data() + i * G);
+    }
   });
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
@@ -193,27 +221,23 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
       for (int64_t t0 = 0; t0 < N; t0 += MAX_TOKENS) {
         const int TB = static_cast<int>(std::min<int64_t>(MAX_TOKENS, N - t0));
         const int8_t* qt = act.data() + t0 * Kp;
-        const float* st = sa.data() + t0 * G;
+        const float *st = sa.data() + t0 * G, *gt = sg.data() + t0 * G;
         switch (TB) {
-          case 1: chunk_dots<1, true, 2>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 2: chunk_dots<2, true, 2>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 3: one_by_one<3>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 4: one_by_one<4>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 5: one_by_one<5>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 6: one_by_one<6>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          case 7: one_by_one<7>(qt, Kp, st, G, wc, dc, mc, acc); break;
-          default: one_by_one<8>(qt, Kp, st, G, wc, dc, mc, acc); break;
+          case 1: chunk_dots<1, true, 2>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          case 2: chunk_dots<2, true, 2>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          case 3: one_by_one<3>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          case 4: one_by_one<4>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          case 5: one_by_one<5>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          case 6: one_by_one<6>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          case 7: one_by_one<7>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          default: one_by_one<8>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
         }
         for (int b = 0; b < CHUNK_BLOCKS; ++b) {
           const int64_t j0 = (b0 + b) * OUT_BLOCK, n = std::min<int64_t>(OUT_BLOCK, M - j0);
           for (int t = 0; n > 0 && t < TB; ++t) {
-            const float scale = xs * row_max[t0 + t];
             const float* a = acc + (b * TB + t) * OUT_BLOCK;
             float* dst = op + (t0 + t) * M + j0;
-            for (int64_t l = 0; l < n; ++l) {
-              const float y = a[l] * scale;
-              dst[l] = bp ? y + bp[j0 + l] : y;
-            }
+            for (int64_t l = 0; l < n; ++l) dst[l] = bp ? a[l] + bp[j0 + l] : a[l];
           }
         }
       }

@@ -82,6 +82,10 @@ static inline void norm_row(const float* r, const float* w, int64_t K, double ep
   for (int64_t k = 0; k < K; ++k) out[k] = (r[k] * inv_rms) * w[k];
 }
 
+void rms_norm_row(const float* r, const float* w, int64_t K, double eps, float* out) {  // for int4_rows.cpp
+  norm_row(r, w, K, eps, out);
+}
+
 torch::Tensor rms_norm_rows(torch::Tensor x_in, torch::Tensor w, double eps) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
               w.numel() == x_in.size(-1), "rms_norm_rows: float32 x [..., K], w [K]");
@@ -132,7 +136,7 @@ static inline void quantize_row(const float* r, int64_t K, float s, float inv, i
 }
 
 // Step 0-2 of the numerics above for N rows of K floats: q [N, Kp] (padding left as it
-// is), row_max [N]. Shared with int4_rows.cpp, so both kernels see the same activation bytes.
+// is), row_max [N].
 // Rows are independent, so several run on separate threads with the same bits.
 void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, float inv,
                    int32_t zero, uint8_t* q, float* row_max) {
@@ -245,8 +249,7 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads,
                                 double scale);  // attention_rows.cpp
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
-                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero,
-                        int64_t M);  // int4_rows.cpp
+                        torch::Tensor bias, torch::Tensor norm_w, double eps, int64_t M);  // int4_rows.cpp
 void bind_layer_rows(pybind11::module& m);  // layer_rows.cpp
 void bind_gguf_rows(pybind11::module& m);   // gguf_rows.cpp
 void bind_gguf_packed_rows(pybind11::module& m);  // gguf_packed_rows.cpp
@@ -267,7 +270,7 @@ void bind_gguf_packed_rows(pybind11::module& m);  // gguf_packed_rows.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
   m.def("int8_rows", &int8_rows, "per-token int8 linear for a few rows");
-  m.def("int4_rows", &int4_rows, "per-token linear over 4-bit group-quantised weights, any number of rows");
+  m.def("int4_rows", &int4_rows, "linear over 4-bit group-quantised weights, activations int8 per group, any number of rows");
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");
   m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits");

@@ -12,7 +12,7 @@
 torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
                         torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero);
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
-                        torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero, int64_t M);
+                        torch::Tensor norm_w, double eps, int64_t M);
 torch::Tensor gguf_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                         torch::Tensor bias);  // gguf_rows.cpp
 torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
@@ -22,8 +22,9 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale);
 
 // One Int8Linear / Int4Linear / GGUFLinear's kernel and its arguments, bound once (quant.py,
-// quant4.py, gguf_native.py). int8: a = w_scale, b = colsum; int4: a = d, b = m (their kernels'
-// argument order). gguf: the parts, their types and row counts; the RMSNorm that feeds it (if
+// quant4.py, gguf_native.py). int8: a = w_scale, b = colsum, x_scale / x_zero its activations'
+// uint8 parameters; int4: a = d, b = m (their kernels' argument order; x_scale / x_zero unused:
+// int4 scales each group of activations itself). gguf: the parts, their types and row counts; the RMSNorm that feeds it (if
 // any) runs first as rms_norm_rows, as GGUFLinear.forward calls it.
 struct KernelLinear {
   enum Kind { INT8, INT4, GGUF_ROWS, GGUF_PACKED } kind;
@@ -50,7 +51,7 @@ struct KernelLinear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
-      case INT4: return int4_rows(x, w, a, b, bias, norm_w, eps, x_scale, x_zero, M);
+      case INT4: return int4_rows(x, w, a, b, bias, norm_w, eps, M);
       case INT8: return int8_rows(x, w, a, b, bias, norm_w, eps, x_scale, x_zero);
       default: {
         const auto xn = norm_w.numel() ? rms_norm_rows(x, norm_w, eps) : x;
