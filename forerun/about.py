@@ -1,5 +1,5 @@
 """What `forerun --version` prints: versions, and which CPU-dependent numeric paths this
-machine runs (the int8 kernels and the wide-GEMM choice decide whether int8 output is
+machine runs (the compiled kernels decide whether int8 / int4 / gguf are available and
 batch-invariant here; see docs/ARCHITECTURE.md, "Paths chosen by the CPU")."""
 from __future__ import annotations
 
@@ -19,16 +19,13 @@ def cpu_features() -> list[str]:
 def int8_paths() -> dict[str, str]:
     """The int8 path's pieces on this machine (builds the kernel if it is not built yet)."""
     from forerun.models import int8_kernel
-    from forerun.models.int8_probe import wide_path
 
     kernel = int8_kernel.load()
     if kernel is None:
-        few = "fbgemm (no compiled kernel: int8 speculative output is not bit-identical to plain)"
-    else:
-        few = f"forerun kernel, -march={int8_kernel.MARCH}, " + ("AVX512-VNNI" if kernel.has_vnni() else "plain C++ dot products")
-    wide = {"onednn": "oneDNN (matches fbgemm's bits on this CPU)", "kernel": "forerun kernel (oneDNN's bits differ on this CPU)",
-            "fbgemm": "fbgemm"}[wide_path()]
-    return {"few tokens": few, "64+ tokens": wide, "chain attention": "per-query kernel" if kernel is not None else "SDPA"}
+        return {"int8 / int4": "refused (no compiled kernel)", "chain attention": "SDPA"}
+    dots = "AVX512-VNNI" if kernel.has_vnni() else "plain C++ dot products"
+    return {"int8 / int4": f"forerun kernel, every size, -march={int8_kernel.MARCH}, {dots}",
+            "chain attention": "per-query kernel"}
 
 
 def kernels_origin() -> str:
@@ -50,6 +47,6 @@ def describe() -> str:
         f"CPU: {platform.machine()}, {' '.join(cpu_features()) or 'no AVX2/AVX512 flags read'}"
         + (f" (ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']})" if os.environ.get("ONEDNN_MAX_CPU_ISA") else ""),
     ]
-    lines += [f"int8 {k}: {v}" for k, v in int8_paths().items()]
+    lines += [f"{k}: {v}" for k, v in int8_paths().items()]
     lines.append(f"kernels: {kernels_origin()}")
     return "\n".join(lines)

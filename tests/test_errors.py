@@ -204,7 +204,7 @@ def test_version_names_the_int8_paths(capsys):
         main(["--version"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("forerun ") and "torch" in out and "int8 64+ tokens:" in out
+    assert out.startswith("forerun ") and "torch" in out and "int8 / int4:" in out
     assert any(line.startswith("kernels: ") and line.split()[1] in ("installed", "runtime-built", "none")
                for line in out.splitlines()), out
 

@@ -93,7 +93,7 @@ def test_the_scan_finds_a_loop_and_reads_imports_in_functions():
     assert find_loop({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     graph = import_graph()
     assert "forerun.cli_args" in graph["forerun.serve.main"]  # (imported inside cmd_serve)
-    assert "forerun.models.int8_probe" in graph["forerun.models.quant"]
+    assert "forerun.models.int8_kernel" in graph["forerun.models.quant"]
     assert "forerun.drafters.ngram" in graph["forerun.drafters"]  # from forerun.drafters import ngram
 
 

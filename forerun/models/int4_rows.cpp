@@ -144,7 +144,7 @@ static inline void one_by_one(const int8_t* a, int64_t Kp, const float* sa, cons
 // One row's activations, per group of 64 (the numerics above): a [Kp] int8, sa, sg [G]. The
 // 16-wide loop gives the scalar loop's bytes (max is exact; one IEEE multiply and a
 // round-to-nearest-even per element).
-static void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg) {
+void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg) {  // int8_rows.cpp too
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * GROUP, n = std::max<int64_t>(0, std::min<int64_t>(GROUP, K - k0));
     float amax = 0.f;

@@ -1,8 +1,8 @@
 """forerun's compiled kernels (models/*_rows.cpp, one extension module), built at install.
 
 Decoding at int8 spends most of a layer's time in small ops around the GEMM, not in it;
-int8_rows.cpp does the per-token scaling, quantisation, int8 dot products and epilogue in
-one call, with the same bits as the fbgemm path; its siblings do the same for float32, int4,
+int8_rows.cpp does the activation scaling, quantisation, int8 dot products and epilogue in
+one call, for any number of tokens; its siblings do the same for float32, int4,
 GGUF blocks, chain attention and whole layers. They are compiled together, with torch's C++
 extension builder (g++ and ninja), for the CPU they run on (`-march=native` picks
 AVX512-VNNI where the CPU has it). `load()` returns the module, or None; where it came

@@ -1,14 +1,16 @@
-// int8 linear for a few tokens (decoding, verifying a draft): one call instead of six ops.
+// int8 linear, any number of tokens (decoding, verifying a draft, prefill): one call per linear.
 //
-// Same numerics as forerun's fbgemm path (models/quant.py), bit for bit:
+// Numerics, per token row x and output j:
 //   0. optionally x = rms_norm(x) * norm_w first (the RMSNorm that feeds this linear);
-//   1. each token row x is divided by its own max |x| (float division, as torch.div);
-//   2. quantised to uint8 the way fbgemm's Quantize does: nearbyint(fma(x, 1 / scale, zero)),
-//      clamped to [0, 255], with the scale / zero point fbgemm picks for the range [-1, 1];
-//   3. int32 dot products with the int8 weight rows (exact, so any kernel agrees);
-//   4. fbgemm's float epilogue: (acc - zero * colsum[j]) * x_scale * w_scale[j], then
-//      times the row's max |x|, plus bias.
-// Each token is computed on its own, so its result never depends on its batch-mates.
+//   1. activations int8 with one scale per group of 64 inputs (int4_rows.cpp's quantizer,
+//      quantize_groups_row: a[k] = nearbyint(x[k] * (127 / amax_g)), s_g = amax_g / 127), as
+//      llama.cpp's Q8 activation blocks: one scale per token let a few large channels flatten
+//      the rest of the token (the 1.5B: KL from float32 0.022 per token, 0.0014 per group);
+//   2. per group, the exact int32 dot product with the per-channel int8 weights w8[j];
+//   3. S_j = sum over groups, in order, of fma(float(dp[j, g]), s_g, S_j);
+//   4. y_j = S_j * w_scale[j] (+ bias[j]).
+// Each token is computed on its own by the same instructions for any number of tokens, so
+// its result never depends on its batch-mates (speculative output = plain output).
 // The dot product uses AVX512-VNNI when the compiler targets it, plain C++ otherwise.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,53 +26,88 @@
 #define FORERUN_VNNI 1
 #endif
 
-// Weights are packed once (Int8Linear, `pack_weight` in quant.py) as [M/16][K/4][16][4]:
-// 64 bytes = 4 consecutive k of 16 consecutive outputs, which is exactly one VNNI
-// instruction's worth. A token's 4 activation bytes are broadcast to all 16 lanes, so the
-// int32 accumulators hold 16 outputs each and need no horizontal sums; one weight load
-// serves up to 8 tokens (3 blocks x 8 tokens = 24 accumulators + 3 weight vectors + 1
-// broadcast: within the 32 registers), so verifying k + 1 <= 8 tokens streams each weight
-// once. M is padded to a multiple of 48 and K to one of 4 (zero weights).
-constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 3, K_GROUP = 4, MAX_TOKENS = 8;
+// Weights are packed once (Int8Linear, `pack_weight` in quant.py) as [M/16][K/4][16][4] bytes
+// w8 + 128 (VNNI multiplies unsigned by signed bytes: the weights are the unsigned side, the
+// activations the signed one; dp = sum (w8 + 128) a - 128 sum a, exact): 64 bytes = 4
+// consecutive k of 16 consecutive outputs, exactly one VNNI instruction's worth. A token's 4
+// activation bytes are broadcast to all 16 lanes, so the accumulators hold 16 outputs each and
+// need no horizontal sums; one weight load serves up to 8 tokens. M is padded to a multiple
+// of 48 and K to one of 64 (zero weights).
+constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 3, K_GROUP = 4, MAX_TOKENS = 8, GROUP = 64;
+constexpr int64_t QUADS = GROUP / K_GROUP;  // 4-input steps per activation group
 // With 3+ tokens the dot products take long enough that the hardware prefetcher falls
-// behind DRAM: ask for each block's weights 2 KB (32 groups) ahead into L2. Measured on
+// behind DRAM: ask for each block's weights 2 KB (32 steps) ahead into L2. Measured on
 // the 1.5B's layer shapes, interleaved runs: 6 tokens 1.24x -> 1.05x one token's time.
 constexpr int64_t PREFETCH_GROUPS = 32;
 constexpr int PREFETCH_MIN_TOKENS = 3;
 
-// acc[b * TB + t] += <activations of token t, weights of output block b> over all of K.
-template <int TB>
-static inline void chunk_dots(const uint8_t* q, int64_t Kp, const int8_t* w, int64_t G, int32_t* out) {
+void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg);  // int4_rows.cpp
+
+// out[(b * TB + t) * 16 + l] = S (step 3) for CB output blocks from w (CB blocks of [Kq][16][4],
+// Kq = Kp / 4), TB tokens. CB = 3 for up to 4 tokens (12 int + 12 float accumulators in
+// registers), else one block at a time.
+template <int TB, int CB>
+static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, const uint8_t* w,
+                              float* out) {
+  const int64_t Kq = Kp / K_GROUP, G = Kp / GROUP;
 #ifdef FORERUN_VNNI
-  __m512i acc[CHUNK_BLOCKS][TB];
-  for (int b = 0; b < CHUNK_BLOCKS; ++b)
-    for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_setzero_si512();
+  __m512 facc[CB][TB];
+  for (int b = 0; b < CB; ++b)
+    for (int t = 0; t < TB; ++t) facc[b][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i wv[CHUNK_BLOCKS];
-    if (TB >= PREFETCH_MIN_TOKENS)  // past a block's end this reads the next one's (or the next chunk's)
-      for (int b = 0; b < CHUNK_BLOCKS; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (b * G + g + PREFETCH_GROUPS) * 64), _MM_HINT_T1);
-    for (int b = 0; b < CHUNK_BLOCKS; ++b) wv[b] = _mm512_loadu_si512(w + (b * G + g) * 64);
+    __m512i acc[CB][TB];
+    for (int b = 0; b < CB; ++b)
+      for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < QUADS; ++i) {
+      const int64_t kq = g * QUADS + i;
+      if (TB >= PREFETCH_MIN_TOKENS)  // past a block's end this reads the next one's (or the next chunk's)
+        for (int b = 0; b < CB; ++b)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (b * Kq + kq + PREFETCH_GROUPS) * 64), _MM_HINT_T1);
+      __m512i wv[CB];
+      for (int b = 0; b < CB; ++b) wv[b] = _mm512_loadu_si512(w + (b * Kq + kq) * 64);
+      for (int t = 0; t < TB; ++t) {
+        int32_t four;
+        std::memcpy(&four, a + t * Kp + kq * K_GROUP, 4);
+        const __m512i x = _mm512_set1_epi32(four);
+        for (int b = 0; b < CB; ++b) acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], wv[b], x);
+      }
+    }
     for (int t = 0; t < TB; ++t) {
-      int32_t four;
-      std::memcpy(&four, q + t * Kp + g * K_GROUP, 4);
-      const __m512i a = _mm512_set1_epi32(four);
-      for (int b = 0; b < CHUNK_BLOCKS; ++b) acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], a, wv[b]);
+      const __m512i off = _mm512_set1_epi32(128 * static_cast<int32_t>(sa[t * G + g]));
+      const __m512 s = _mm512_set1_ps(sg[t * G + g]);
+      for (int b = 0; b < CB; ++b)
+        facc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[b][t], off)), s, facc[b][t]);
     }
   }
-  for (int b = 0; b < CHUNK_BLOCKS; ++b)
-    for (int t = 0; t < TB; ++t) _mm512_storeu_si512(out + (b * TB + t) * OUT_BLOCK, acc[b][t]);
+  for (int b = 0; b < CB; ++b)
+    for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + (b * TB + t) * OUT_BLOCK, facc[b][t]);
 #else
-  for (int b = 0; b < CHUNK_BLOCKS; ++b)
+  for (int b = 0; b < CB; ++b)
     for (int t = 0; t < TB; ++t)
       for (int l = 0; l < OUT_BLOCK; ++l) {
-        int32_t s = 0;
-        for (int64_t g = 0; g < G; ++g)
-          for (int k = 0; k < K_GROUP; ++k)
-            s += int32_t(q[t * Kp + g * K_GROUP + k]) * int32_t(w[((b * G + g) * OUT_BLOCK + l) * K_GROUP + k]);
+        float s = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t dp = 0;
+          for (int64_t kq = g * QUADS; kq < (g + 1) * QUADS; ++kq)
+            for (int k = 0; k < K_GROUP; ++k)
+              dp += int32_t(a[t * Kp + kq * K_GROUP + k]) * int32_t(w[((b * Kq + kq) * OUT_BLOCK + l) * K_GROUP + k]);
+          dp -= 128 * static_cast<int32_t>(sa[t * G + g]);
+          s = std::fma(static_cast<float>(dp), sg[t * G + g], s);
+        }
         out[(b * TB + t) * OUT_BLOCK + l] = s;
       }
 #endif
+}
+
+// Up to 4 tokens: the chunk's 3 blocks together; more: one block at a time.
+template <int TB>
+static inline void tile(const int8_t* a, int64_t Kp, const float* sa, const float* sg, const uint8_t* w, float* out) {
+  if constexpr (TB <= 4) {
+    chunk_dots<TB, CHUNK_BLOCKS>(a, Kp, sa, sg, w, out);
+  } else {
+    for (int b = 0; b < CHUNK_BLOCKS; ++b)
+      chunk_dots<TB, 1>(a, Kp, sa, sg, w + b * Kp * OUT_BLOCK, out + b * TB * OUT_BLOCK);
+  }
 }
 
 // RMSNorm of one row, the folded norm of int8_rows (also exported as rms_norm_rows so the
@@ -101,46 +138,25 @@ torch::Tensor rms_norm_rows(torch::Tensor x_in, torch::Tensor w, double eps) {
   return out;
 }
 
-// max |r[k]| over a row. Any order gives the same float (max is exact), so AVX512 may do it.
-static inline float max_abs(const float* r, int64_t K) {
-  float s = 0.f;
-  int64_t k = 0;
-#ifdef FORERUN_VNNI
-  __m512 m = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
-  s = _mm512_reduce_max_ps(m);
-#endif
-  for (; k < K; ++k) s = std::max(s, std::fabs(r[k]));
-  return s;
-}
-
-// Step 1-2 for one row: q[k] = clamp(nearbyint(fma(r[k] / s, inv, zero)), 0, 255). Each element's
-// division, fused multiply-add and round-to-nearest-even are exact IEEE operations, so the
-// 16-wide loop gives the scalar loop's bytes.
-static inline void quantize_row(const float* r, int64_t K, float s, float inv, int32_t zero, uint8_t* q) {
-  int64_t k = 0;
-#ifdef FORERUN_VNNI
-  const __m512 sv = _mm512_set1_ps(s), iv = _mm512_set1_ps(inv), zv = _mm512_set1_ps(static_cast<float>(zero));
-  const __m512 lo = _mm512_setzero_ps(), hi = _mm512_set1_ps(255.f);
-  for (; k + 16 <= K; k += 16) {
-    __m512 v = _mm512_fmadd_ps(_mm512_div_ps(_mm512_loadu_ps(r + k), sv), iv, zv);
-    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)));
-  }
-#endif
-  for (; k < K; ++k) {
-    const float v = std::nearbyint(std::fma(r[k] / s, inv, static_cast<float>(zero)));  // fbgemm: fma, then round
-    q[k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
-  }
-}
-
-// Step 0-2 of the numerics above for N rows of K floats: q [N, Kp] (padding left as it
-// is), row_max [N].
-// Rows are independent, so several run on separate threads with the same bits.
-void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, float inv,
-                   int32_t zero, uint8_t* q, float* row_max) {
-  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
+// x [..., K] float32; w [Mp/16, Kp/4, 16, 4] uint8 (w8 + 128); w_scale, bias (or empty) [M];
+// norm_w [K] or empty (no RMSNorm) -> [..., M] float32.
+torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias,
+                        torch::Tensor norm_w, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "x: float32 [..., K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == OUT_BLOCK &&
+              w.size(3) == K_GROUP && w.size(0) % CHUNK_BLOCKS == 0 && w.size(1) % QUADS == 0,
+              "w: packed uint8 [Mp/16, Kp/4, 16, 4], Mp % 48 == 0, Kp % 64 == 0");
+  const auto x = x_in.contiguous();
+  const int64_t K = x.size(-1), N = x.numel() / K, M = w_scale.numel();
+  const int64_t Kp = w.size(1) * K_GROUP, G = Kp / GROUP, chunks = w.size(0) / CHUNK_BLOCKS;
+  TORCH_CHECK(Kp >= K && Kp < K + GROUP && w.size(0) * OUT_BLOCK >= M, "packed weight does not fit x / w_scale");
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && (bias.numel() == 0 || bias.numel() == M), "w_scale, bias: [M]");
+  TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
+  const float* xp = x.data_ptr<float>();
+  const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
+  std::vector<int8_t> act(N * Kp);
+  std::vector<float> sa(N * G), sg(N * G);
+  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {  // rows are independent
     std::vector<float> normed(nw ? K : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const float* r = xp + i * K;
@@ -148,83 +164,44 @@ void quantize_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const floa
         norm_row(r, nw, K, eps, normed.data());
         r = normed.data();
       }
-      const float s = std::max(max_abs(r, K), 1e-12f);
-      row_max[i] = s;
-      quantize_row(r, K, s, inv, zero, q + i * Kp);
+      quantize_groups_row(r, K, G, act.data() + i * Kp, sa.data() + i * G, sg.data() + i * G);
     }
   });
-}
-
-// x [..., K] float32; w_packed [Mp/16, Kp/4, 16, 4] int8; w_scale, colsum, bias (or empty) [M];
-// norm_w [K] or empty (no RMSNorm) -> [..., M] float32.
-torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
-                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "x: float32 [..., K]");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(2) == OUT_BLOCK &&
-              w.size(3) == K_GROUP && w.size(0) % CHUNK_BLOCKS == 0, "w: packed int8 [Mp/16, Kp/4, 16, 4]");
-  const auto x = x_in.contiguous();
-  const int64_t K = x.size(-1), N = x.numel() / K, M = w_scale.numel();
-  const int64_t G = w.size(1), Kp = G * K_GROUP, chunks = w.size(0) / CHUNK_BLOCKS;
-  TORCH_CHECK(Kp >= K && Kp < K + K_GROUP && w.size(0) * OUT_BLOCK >= M, "packed weight does not fit x / w_scale");
-  TORCH_CHECK(colsum.numel() == M && colsum.scalar_type() == torch::kInt32 && w_scale.scalar_type() == torch::kFloat32 &&
-              (bias.numel() == 0 || bias.numel() == M), "w_scale, colsum, bias: [M]");
-  const float xs = static_cast<float>(x_scale), inv = 1.0f / xs;
-  const int32_t zero = static_cast<int32_t>(x_zero);
-  TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
-  const float* xp = x.data_ptr<float>();
-  const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
-  std::vector<uint8_t> q(N * Kp, 0);  // padding k: any value works (its weights are 0)
-  std::vector<float> row_max(N);
-  quantize_rows(xp, N, K, Kp, nw, eps, inv, zero, q.data(), row_max.data());
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
   auto out = torch::empty(out_shape, x.options());
   float* op = out.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* wsp = w_scale.data_ptr<float>();
-  const int32_t* csp = colsum.data_ptr<int32_t>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  // y = float(acc - zero * colsum) * (x_scale * w_scale) * row_max (+ bias): fbgemm's order.
-  auto epilogue = [&](const int32_t* a16, int64_t j0, int64_t i) {
-    const int64_t n = std::min<int64_t>(OUT_BLOCK, M - j0);
-    float* dst = op + i * M + j0;
-#ifdef FORERUN_VNNI
-    const __mmask16 mk = static_cast<__mmask16>((1u << n) - 1u);
-    const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(a16),
-                                       _mm512_mullo_epi32(_mm512_set1_epi32(zero), _mm512_maskz_loadu_epi32(mk, csp + j0)));
-    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(xs), _mm512_maskz_loadu_ps(mk, wsp + j0));
-    __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sc), _mm512_set1_ps(row_max[i]));
-    if (bp) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mk, bp + j0));
-    _mm512_mask_storeu_ps(dst, mk, y);
-#else
-    for (int64_t l = 0; l < n; ++l) {
-      const int32_t a = a16[l] - zero * csp[j0 + l];
-      const float y = static_cast<float>(a) * (xs * wsp[j0 + l]) * row_max[i];
-      dst[l] = bp ? y + bp[j0 + l] : y;
-    }
-#endif
-  };
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    int32_t acc[CHUNK_BLOCKS * MAX_TOKENS * OUT_BLOCK];
+    float acc[CHUNK_BLOCKS * MAX_TOKENS * OUT_BLOCK];
     for (int64_t c = c0; c < c1; ++c) {
-      const int8_t* wc = wp + c * CHUNK_BLOCKS * G * OUT_BLOCK * K_GROUP;
+      const uint8_t* wc = wp + c * CHUNK_BLOCKS * Kp * OUT_BLOCK;
       for (int64_t t0 = 0; t0 < N; t0 += MAX_TOKENS) {
         const int TB = static_cast<int>(std::min<int64_t>(MAX_TOKENS, N - t0));
-        const uint8_t* qt = q.data() + t0 * Kp;
+        const int8_t* at = act.data() + t0 * Kp;
+        const float *st = sa.data() + t0 * G, *gt = sg.data() + t0 * G;
         switch (TB) {
-          case 1: chunk_dots<1>(qt, Kp, wc, G, acc); break;
-          case 2: chunk_dots<2>(qt, Kp, wc, G, acc); break;
-          case 3: chunk_dots<3>(qt, Kp, wc, G, acc); break;
-          case 4: chunk_dots<4>(qt, Kp, wc, G, acc); break;
-          case 5: chunk_dots<5>(qt, Kp, wc, G, acc); break;
-          case 6: chunk_dots<6>(qt, Kp, wc, G, acc); break;
-          case 7: chunk_dots<7>(qt, Kp, wc, G, acc); break;
-          default: chunk_dots<8>(qt, Kp, wc, G, acc); break;
+          case 1: tile<1>(at, Kp, st, gt, wc, acc); break;
+          case 2: tile<2>(at, Kp, st, gt, wc, acc); break;
+          case 3: tile<3>(at, Kp, st, gt, wc, acc); break;
+          case 4: tile<4>(at, Kp, st, gt, wc, acc); break;
+          case 5: tile<5>(at, Kp, st, gt, wc, acc); break;
+          case 6: tile<6>(at, Kp, st, gt, wc, acc); break;
+          case 7: tile<7>(at, Kp, st, gt, wc, acc); break;
+          default: tile<8>(at, Kp, st, gt, wc, acc); break;
         }
-        for (int b = 0; b < CHUNK_BLOCKS; ++b) {
-          const int64_t j0 = (c * CHUNK_BLOCKS + b) * OUT_BLOCK;
-          if (j0 >= M) break;
-          for (int t = 0; t < TB; ++t) epilogue(acc + (b * TB + t) * OUT_BLOCK, j0, t0 + t);
+        for (int b = 0; b < CHUNK_BLOCKS; ++b) {  // step 4: y = S * w_scale (+ bias)
+          const int64_t j0 = (c * CHUNK_BLOCKS + b) * OUT_BLOCK, n = std::min<int64_t>(OUT_BLOCK, M - j0);
+          for (int t = 0; n > 0 && t < TB; ++t) {
+            const float* a = acc + (b * TB + t) * OUT_BLOCK;
+            float* dst = op + (t0 + t) * M + j0;
+            for (int64_t l = 0; l < n; ++l) {
+              const float y = a[l] * wsp[j0 + l];
+              dst[l] = bp ? y + bp[j0 + l] : y;
+            }
+          }
         }
       }
     }
@@ -269,7 +246,7 @@ void bind_gguf_packed_rows(pybind11::module& m);  // gguf_packed_rows.cpp
 // of its own, declared and called here, as layer_rows.cpp and gguf_rows.cpp do.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
-  m.def("int8_rows", &int8_rows, "per-token int8 linear for a few rows");
+  m.def("int8_rows", &int8_rows, "int8 linear, activations int8 per group of 64, any number of rows");
   m.def("int4_rows", &int4_rows, "linear over 4-bit group-quantised weights, activations int8 per group, any number of rows");
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time");

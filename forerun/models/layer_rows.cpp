@@ -9,8 +9,8 @@
 // views), so the bits are the op-by-op path's: tests/test_int8_identity.py checks it.
 #include <torch/extension.h>
 
-torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor colsum,
-                        torch::Tensor bias, torch::Tensor norm_w, double eps, double x_scale, int64_t x_zero);
+torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias,
+                        torch::Tensor norm_w, double eps);
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
                         torch::Tensor norm_w, double eps, int64_t M);
 torch::Tensor gguf_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
@@ -22,26 +22,24 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale);
 
 // One Int8Linear / Int4Linear / GGUFLinear's kernel and its arguments, bound once (quant.py,
-// quant4.py, gguf_native.py). int8: a = w_scale, b = colsum, x_scale / x_zero its activations'
-// uint8 parameters; int4: a = d, b = m (their kernels' argument order; x_scale / x_zero unused:
-// int4 scales each group of activations itself). gguf: the parts, their types and row counts; the RMSNorm that feeds it (if
-// any) runs first as rms_norm_rows, as GGUFLinear.forward calls it.
+// quant4.py, gguf_native.py). int8: a = w_scale (b unused, empty); int4: a = d, b = m (their
+// kernels' argument order). gguf: the parts, their types and row counts; the RMSNorm that
+// feeds it (if any) runs first as rms_norm_rows, as GGUFLinear.forward calls it.
 struct KernelLinear {
   enum Kind { INT8, INT4, GGUF_ROWS, GGUF_PACKED } kind;
   torch::Tensor w, a, b, bias, norm_w;
-  double eps, x_scale;
-  int64_t x_zero, M;
+  double eps;
+  int64_t M;
   std::vector<torch::Tensor> parts;
   std::vector<int64_t> types, rows;
 
   KernelLinear(bool int4, torch::Tensor w, torch::Tensor a, torch::Tensor b, torch::Tensor bias, torch::Tensor norm_w,
-               double eps, double x_scale, int64_t x_zero, int64_t M)
-      : kind(int4 ? INT4 : INT8), w(w), a(a), b(b), bias(bias), norm_w(norm_w), eps(eps), x_scale(x_scale),
-        x_zero(x_zero), M(M) {}
+               double eps, int64_t M)
+      : kind(int4 ? INT4 : INT8), w(w), a(a), b(b), bias(bias), norm_w(norm_w), eps(eps), M(M) {}
 
   static KernelLinear gguf(bool packed, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                            std::vector<int64_t> rows, torch::Tensor bias, torch::Tensor norm_w, double eps) {
-    KernelLinear k(false, {}, {}, {}, bias, norm_w, eps, 0.0, 0, 0);
+    KernelLinear k(false, {}, {}, {}, bias, norm_w, eps, 0);
     k.kind = packed ? GGUF_PACKED : GGUF_ROWS;
     k.parts = std::move(parts);
     k.types = std::move(types);
@@ -52,7 +50,7 @@ struct KernelLinear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case INT4: return int4_rows(x, w, a, b, bias, norm_w, eps, M);
-      case INT8: return int8_rows(x, w, a, b, bias, norm_w, eps, x_scale, x_zero);
+      case INT8: return int8_rows(x, w, a, bias, norm_w, eps);
       default: {
         const auto xn = norm_w.numel() ? rms_norm_rows(x, norm_w, eps) : x;
         return kind == GGUF_PACKED ? gguf_packed_rows(xn, parts, types, rows, bias) : gguf_rows(xn, parts, types, bias);
@@ -74,7 +72,7 @@ torch::Tensor decoder_layer_rows(torch::Tensor x, const KernelLinear& qkv, const
 void bind_layer_rows(pybind11::module& m) {
   pybind11::class_<KernelLinear>(m, "KernelLinear")
       .def(pybind11::init<bool, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double,
-                          double, int64_t, int64_t>())
+                          int64_t>())
       .def_static("gguf", &KernelLinear::gguf, "a GGUFLinear's call: packed or row kernel, optional RMSNorm first")
       .def("__call__", &KernelLinear::operator());
   m.def("decoder_layer_rows", &decoder_layer_rows, "a chain's int8 / int4 / gguf decoder layer in one call (the same bits)");

@@ -126,8 +126,7 @@ class Int4Linear(nn.Module):
         bias = self.bias.data if self.bias is not None else empty
         norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
         self._args = (*self._packed, bias, norm_w, eps, self.out_features)
-        # the same call, bound in C++ (layer_rows.cpp; 0.0, 0: int8's activation parameters, unused by int4)
-        self.kernel_linear = self._kernel.KernelLinear(True, *self._packed, bias, norm_w, eps, 0.0, 0, self.out_features)
+        self.kernel_linear = self._kernel.KernelLinear(True, *self._args)  # the same call, bound in C++ (layer_rows.cpp)
 
     def __getstate__(self):  # deepcopy / pickle: drop the kernel handles (the packed weights are tensors)...
         return {**self.__dict__, "_kernel": None, "_rows": None, "_args": None, "kernel_linear": None}
