@@ -50,7 +50,7 @@ def test_the_kernel_computes_the_documented_function(bias, width):
 
 
 def test_rows_get_the_same_bits_alone_and_in_any_batch():
-    """Every tile size (1-8 tokens a pass, 3 blocks or 1 at a time), ragged tails and prefill
+    """Every tile size (1-4 tokens a pass, several passes for more), ragged tails and prefill
     widths: a row's bits never depend on the rows beside it."""
     _, q = _layer(n_in=200, n_out=100, bias=True)
     x = _rows(2 * WIDE_ROWS + 5, 200)

@@ -31,9 +31,9 @@
 // activations the signed one; dp = sum (w8 + 128) a - 128 sum a, exact): 64 bytes = 4
 // consecutive k of 16 consecutive outputs, exactly one VNNI instruction's worth. A token's 4
 // activation bytes are broadcast to all 16 lanes, so the accumulators hold 16 outputs each and
-// need no horizontal sums; one weight load serves up to 8 tokens. M is padded to a multiple
+// need no horizontal sums; one weight load serves up to 4 tokens. M is padded to a multiple
 // of 48 and K to one of 64 (zero weights).
-constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 3, K_GROUP = 4, MAX_TOKENS = 8, GROUP = 64;
+constexpr int64_t OUT_BLOCK = 16, CHUNK_BLOCKS = 3, K_GROUP = 4, MAX_TOKENS = 4, GROUP = 64;
 constexpr int64_t QUADS = GROUP / K_GROUP;  // 4-input steps per activation group
 // With 3+ tokens the dot products take long enough that the hardware prefetcher falls
 // behind DRAM: ask for each block's weights 2 KB (32 steps) ahead into L2. Measured on
@@ -44,8 +44,7 @@ constexpr int PREFETCH_MIN_TOKENS = 3;
 void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg);  // int4_rows.cpp
 
 // out[(b * TB + t) * 16 + l] = S (step 3) for CB output blocks from w (CB blocks of [Kq][16][4],
-// Kq = Kp / 4), TB tokens. CB = 3 for up to 4 tokens (12 int + 12 float accumulators in
-// registers), else one block at a time.
+// Kq = Kp / 4), TB tokens.
 template <int TB, int CB>
 static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, const uint8_t* w,
                               float* out) {
@@ -99,15 +98,11 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, cons
 #endif
 }
 
-// Up to 4 tokens: the chunk's 3 blocks together; more: one block at a time.
+// Up to 4 tokens a pass over a chunk's 3 blocks (12 int + 12 float accumulators in registers);
+// more tokens take further passes, which find the chunk's weights (48 x Kp bytes) in L2.
 template <int TB>
 static inline void tile(const int8_t* a, int64_t Kp, const float* sa, const float* sg, const uint8_t* w, float* out) {
-  if constexpr (TB <= 4) {
-    chunk_dots<TB, CHUNK_BLOCKS>(a, Kp, sa, sg, w, out);
-  } else {
-    for (int b = 0; b < CHUNK_BLOCKS; ++b)
-      chunk_dots<TB, 1>(a, Kp, sa, sg, w + b * Kp * OUT_BLOCK, out + b * TB * OUT_BLOCK);
-  }
+  chunk_dots<TB, CHUNK_BLOCKS>(a, Kp, sa, sg, w, out);
 }
 
 // RMSNorm of one row, the folded norm of int8_rows (also exported as rms_norm_rows so the
@@ -186,11 +181,7 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
           case 1: tile<1>(at, Kp, st, gt, wc, acc); break;
           case 2: tile<2>(at, Kp, st, gt, wc, acc); break;
           case 3: tile<3>(at, Kp, st, gt, wc, acc); break;
-          case 4: tile<4>(at, Kp, st, gt, wc, acc); break;
-          case 5: tile<5>(at, Kp, st, gt, wc, acc); break;
-          case 6: tile<6>(at, Kp, st, gt, wc, acc); break;
-          case 7: tile<7>(at, Kp, st, gt, wc, acc); break;
-          default: tile<8>(at, Kp, st, gt, wc, acc); break;
+          default: tile<4>(at, Kp, st, gt, wc, acc); break;
         }
         for (int b = 0; b < CHUNK_BLOCKS; ++b) {  // step 4: y = S * w_scale (+ bias)
           const int64_t j0 = (c * CHUNK_BLOCKS + b) * OUT_BLOCK, n = std::min<int64_t>(OUT_BLOCK, M - j0);
