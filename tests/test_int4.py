@@ -13,6 +13,7 @@ from tests.tiny import tiny_model
 pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="int4 needs the compiled kernels")
 
 from forerun.models.quant4 import GROUP, Int4Linear, dequantize_groups, quantize_groups  # noqa: E402
+from tests.test_quant import group_quantized  # noqa: E402
 
 
 def reference(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
@@ -20,13 +21,7 @@ def reference(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     inputs (amax / 127) x the dequantised weights."""
     if lin.pre_norm is not None:
         x = lin.pre_norm(x)
-    N, K = x.shape
-    Kp = -(-K // GROUP) * GROUP
-    groups = torch.nn.functional.pad(x, (0, Kp - K)).view(N, Kp // GROUP, GROUP)
-    amax = groups.abs().amax(dim=2, keepdim=True)
-    a = torch.where(amax > 0, torch.round(groups * (127 / amax)), 0.0)
-    xq = (a.double() * (amax.double() / 127)).view(N, Kp)[:, :K]
-    y = xq @ lin.weight.double().T
+    y = group_quantized(x) @ lin.weight.double().T
     return y if lin.bias is None else y + lin.bias.double()
 
 

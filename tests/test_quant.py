@@ -17,18 +17,23 @@ def _layer(n_in=96, n_out=80, bias=False, seed=0):
     return lin, Int8Linear(lin)
 
 
-def reference(q: Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """float64 of the documented function: a[k] = round(x[k] * (127 / amax_g)) per group of
-    64 inputs, scale amax_g / 127, times the int8 weights and their per-channel scales."""
-    if q.pre_norm is not None:
-        x = q.pre_norm(x)
+def group_quantized(x: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> float64 [N, K]: the activations int8 and int4 compute with, a[k] =
+    round(x[k] * (127 / amax_g)) times amax_g / 127 per group g of 64 inputs (0 for a zero group)."""
     N, K = x.shape
     Kp = -(-K // GROUP) * GROUP
     groups = torch.nn.functional.pad(x, (0, Kp - K)).view(N, Kp // GROUP, GROUP)
     amax = groups.abs().amax(dim=2, keepdim=True)
     a = torch.where(amax > 0, torch.round(groups * (127 / amax)), 0.0)
-    xq = (a.double() * (amax.double() / 127)).view(N, Kp)[:, :K]
-    y = (xq @ q.weight_int8.double().T) * q.weight_scale.double()
+    return (a.double() * (amax.double() / 127)).view(N, Kp)[:, :K]
+
+
+def reference(q: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 of the documented function: group_quantized activations times the int8 weights
+    and their per-channel scales."""
+    if q.pre_norm is not None:
+        x = q.pre_norm(x)
+    y = (group_quantized(x) @ q.weight_int8.double().T) * q.weight_scale.double()
     return y if q.bias is None else y + q.bias.double()
 
 

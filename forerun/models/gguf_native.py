@@ -298,7 +298,7 @@ def _read_tensors(reader, arch, cfg, path: Path) -> dict[str, Blocks | torch.Ten
 def _read_bytes(path: Path, offset: int, n: int) -> np.ndarray:
     """n bytes of the file from `offset`, read into memory of their own: not a view of the
     reader's mapping, whose touched pages count as resident beside every copy made from them
-    (the 1.5B's load: 3.6 GB peak through the mapping, 2.5 GB read this way), and whose cold
+    (the 1.5B's load: 3.6 GB peak through the mapping, 2.4 GB read this way), and whose cold
     pages the kernel reclaims (see load_model)."""
     data = np.fromfile(path, dtype=np.uint8, count=n, offset=offset)
     if data.size != n:

@@ -28,7 +28,8 @@
 #define FORERUN_VNNI4 1
 #endif
 
-void rms_norm_row(const float* r, const float* w, int64_t K, double eps, float* out);  // int8_rows.cpp
+void quantize_groups_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, int8_t* a,
+                          float* sa, float* sg);  // int8_rows.cpp
 
 // Packed weights (quant4.pack_int4): [Mp/16, G, 8, 64] bytes. Block b holds 16 outputs; in
 // group g, byte 4*l + j of vector i holds u[out l, k = 64g + 8i + j] in its low nibble and
@@ -141,36 +142,6 @@ static inline void one_by_one(const int8_t* a, int64_t Kp, const float* sa, cons
                              out + b * TB * OUT_BLOCK);
 }
 
-// One row's activations, per group of 64 (the numerics above): a [Kp] int8, sa, sg [G]. The
-// 16-wide loop gives the scalar loop's bytes (max is exact; one IEEE multiply and a
-// round-to-nearest-even per element).
-void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg) {  // int8_rows.cpp too
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t k0 = g * GROUP, n = std::max<int64_t>(0, std::min<int64_t>(GROUP, K - k0));
-    float amax = 0.f;
-    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(r[k0 + k]));
-    int8_t* ag = a + k0;
-    std::memset(ag, 0, GROUP);
-    int32_t sum = 0;
-    if (amax > 0.f) {
-      const float inv = 127.f / amax;
-      int64_t k = 0;
-#ifdef FORERUN_VNNI4
-      const __m512 iv = _mm512_set1_ps(inv);
-      for (; k + 16 <= n; k += 16) {
-        const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k0 + k), iv),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(ag + k), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(v)));
-      }
-#endif
-      for (; k < n; ++k) ag[k] = static_cast<int8_t>(std::nearbyint(r[k0 + k] * inv));
-      for (k = 0; k < n; ++k) sum += ag[k];
-    }
-    sa[g] = static_cast<float>(sum);
-    sg[g] = amax / 127.f;
-  }
-}
-
 // x [..., K] float32; w [Mp/16, G, 8, 64] uint8; d, m [Mp/16, G, 16] float16;
 // bias [M] or empty; norm_w [K] or empty (an RMSNorm folded in first) -> [..., M] float32.
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
@@ -190,19 +161,8 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
   TORCH_CHECK(norm_w.numel() == 0 || norm_w.numel() == K, "norm_w: [K] or empty");
   std::vector<int8_t> act(N * Kp);
   std::vector<float> sa(N * G), sg(N * G);
-  const float* xp = x.data_ptr<float>();
-  const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
-  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {  // rows are independent
-    std::vector<float> normed(nw ? K : 0);
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* r = xp + i * K;
-      if (nw) {
-        rms_norm_row(r, nw, K, eps, normed.data());
-        r = normed.data();
-      }
-      quantize_groups_row(r, K, G, act.data() + i * Kp, sa.data() + i * G, sg.data() + i * G);
-    }
-  });
+  quantize_groups_rows(x.data_ptr<float>(), N, K, Kp, norm_w.numel() ? norm_w.data_ptr<float>() : nullptr, eps,
+                       act.data(), sa.data(), sg.data());
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
   auto out = torch::empty(out_shape, x.options());

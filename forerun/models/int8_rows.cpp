@@ -2,8 +2,8 @@
 //
 // Numerics, per token row x and output j:
 //   0. optionally x = rms_norm(x) * norm_w first (the RMSNorm that feeds this linear);
-//   1. activations int8 with one scale per group of 64 inputs (int4_rows.cpp's quantizer,
-//      quantize_groups_row: a[k] = nearbyint(x[k] * (127 / amax_g)), s_g = amax_g / 127), as
+//   1. activations int8 with one scale per group of 64 inputs (quantize_groups_rows below,
+//      int4_rows.cpp's too: a[k] = nearbyint(x[k] * (127 / amax_g)), s_g = amax_g / 127), as
 //      llama.cpp's Q8 activation blocks: one scale per token let a few large channels flatten
 //      the rest of the token (the 1.5B: KL from float32 0.022 per token, 0.0014 per group);
 //   2. per group, the exact int32 dot product with the per-channel int8 weights w8[j];
@@ -41,47 +41,46 @@ constexpr int64_t QUADS = GROUP / K_GROUP;  // 4-input steps per activation grou
 constexpr int64_t PREFETCH_GROUPS = 32;
 constexpr int PREFETCH_MIN_TOKENS = 3;
 
-void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg);  // int4_rows.cpp
-
-// out[(b * TB + t) * 16 + l] = S (step 3) for CB output blocks from w (CB blocks of [Kq][16][4],
-// Kq = Kp / 4), TB tokens.
-template <int TB, int CB>
+// out[(b * TB + t) * 16 + l] = S (step 3) for the chunk's 3 output blocks from w (3 blocks of
+// [Kq][16][4], Kq = Kp / 4), TB <= 4 tokens (12 int + 12 float accumulators in registers);
+// more tokens take further passes, which find the chunk's weights (48 x Kp bytes) in L2.
+template <int TB>
 static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, const uint8_t* w,
                               float* out) {
   const int64_t Kq = Kp / K_GROUP, G = Kp / GROUP;
 #ifdef FORERUN_VNNI
-  __m512 facc[CB][TB];
-  for (int b = 0; b < CB; ++b)
+  __m512 facc[CHUNK_BLOCKS][TB];
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
     for (int t = 0; t < TB; ++t) facc[b][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[CB][TB];
-    for (int b = 0; b < CB; ++b)
+    __m512i acc[CHUNK_BLOCKS][TB];
+    for (int b = 0; b < CHUNK_BLOCKS; ++b)
       for (int t = 0; t < TB; ++t) acc[b][t] = _mm512_setzero_si512();
     for (int64_t i = 0; i < QUADS; ++i) {
       const int64_t kq = g * QUADS + i;
       if (TB >= PREFETCH_MIN_TOKENS)  // past a block's end this reads the next one's (or the next chunk's)
-        for (int b = 0; b < CB; ++b)
+        for (int b = 0; b < CHUNK_BLOCKS; ++b)
           _mm_prefetch(reinterpret_cast<const char*>(w + (b * Kq + kq + PREFETCH_GROUPS) * 64), _MM_HINT_T1);
-      __m512i wv[CB];
-      for (int b = 0; b < CB; ++b) wv[b] = _mm512_loadu_si512(w + (b * Kq + kq) * 64);
+      __m512i wv[CHUNK_BLOCKS];
+      for (int b = 0; b < CHUNK_BLOCKS; ++b) wv[b] = _mm512_loadu_si512(w + (b * Kq + kq) * 64);
       for (int t = 0; t < TB; ++t) {
         int32_t four;
         std::memcpy(&four, a + t * Kp + kq * K_GROUP, 4);
         const __m512i x = _mm512_set1_epi32(four);
-        for (int b = 0; b < CB; ++b) acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], wv[b], x);
+        for (int b = 0; b < CHUNK_BLOCKS; ++b) acc[b][t] = _mm512_dpbusd_epi32(acc[b][t], wv[b], x);
       }
     }
     for (int t = 0; t < TB; ++t) {
       const __m512i off = _mm512_set1_epi32(128 * static_cast<int32_t>(sa[t * G + g]));
       const __m512 s = _mm512_set1_ps(sg[t * G + g]);
-      for (int b = 0; b < CB; ++b)
+      for (int b = 0; b < CHUNK_BLOCKS; ++b)
         facc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[b][t], off)), s, facc[b][t]);
     }
   }
-  for (int b = 0; b < CB; ++b)
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
     for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + (b * TB + t) * OUT_BLOCK, facc[b][t]);
 #else
-  for (int b = 0; b < CB; ++b)
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
     for (int t = 0; t < TB; ++t)
       for (int l = 0; l < OUT_BLOCK; ++l) {
         float s = 0.f;
@@ -98,15 +97,8 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, cons
 #endif
 }
 
-// Up to 4 tokens a pass over a chunk's 3 blocks (12 int + 12 float accumulators in registers);
-// more tokens take further passes, which find the chunk's weights (48 x Kp bytes) in L2.
-template <int TB>
-static inline void tile(const int8_t* a, int64_t Kp, const float* sa, const float* sg, const uint8_t* w, float* out) {
-  chunk_dots<TB, CHUNK_BLOCKS>(a, Kp, sa, sg, w, out);
-}
-
-// RMSNorm of one row, the folded norm of int8_rows (also exported as rms_norm_rows so the
-// oneDNN / fbgemm paths use the very same bits): x * (1 / sqrt(mean(x^2) + eps)) * w.
+// RMSNorm of one row, the folded norm of int8_rows and int4_rows (also exported as
+// rms_norm_rows, which the gguf linears call): x * (1 / sqrt(mean(x^2) + eps)) * w.
 static inline void norm_row(const float* r, const float* w, int64_t K, double eps, float* out) {
   double ss = 0.0;
   for (int64_t k = 0; k < K; ++k) ss += double(r[k]) * r[k];
@@ -114,8 +106,53 @@ static inline void norm_row(const float* r, const float* w, int64_t K, double ep
   for (int64_t k = 0; k < K; ++k) out[k] = (r[k] * inv_rms) * w[k];
 }
 
-void rms_norm_row(const float* r, const float* w, int64_t K, double eps, float* out) {  // for int4_rows.cpp
-  norm_row(r, w, K, eps, out);
+// One row's activations, per group of 64 (step 1 above): a [Kp] int8, sa, sg [G]. The
+// 16-wide loop gives the scalar loop's bytes (max is exact; one IEEE multiply and a
+// round-to-nearest-even per element).
+static void quantize_groups_row(const float* r, int64_t K, int64_t G, int8_t* a, float* sa, float* sg) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * GROUP, n = std::max<int64_t>(0, std::min<int64_t>(GROUP, K - k0));
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(r[k0 + k]));
+    int8_t* ag = a + k0;
+    std::memset(ag, 0, GROUP);
+    int32_t sum = 0;
+    if (amax > 0.f) {
+      const float inv = 127.f / amax;
+      int64_t k = 0;
+#ifdef FORERUN_VNNI
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (; k + 16 <= n; k += 16) {
+        const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k0 + k), iv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ag + k), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(v)));
+      }
+#endif
+      for (; k < n; ++k) ag[k] = static_cast<int8_t>(std::nearbyint(r[k0 + k] * inv));
+      for (k = 0; k < n; ++k) sum += ag[k];
+    }
+    sa[g] = static_cast<float>(sum);
+    sg[g] = amax / 127.f;
+  }
+}
+
+// Step 0-1 for N rows of K floats (the folded RMSNorm first where nw is given): a [N, Kp],
+// sa and sg [N, Kp / 64]. Rows are independent, so several run on separate threads with the
+// same bits. Shared with int4_rows.cpp: both kernels see the same activation bytes.
+void quantize_groups_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, int8_t* a,
+                          float* sa, float* sg) {
+  const int64_t G = Kp / GROUP;
+  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> normed(nw ? K : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* r = xp + i * K;
+      if (nw) {
+        norm_row(r, nw, K, eps, normed.data());
+        r = normed.data();
+      }
+      quantize_groups_row(r, K, G, a + i * Kp, sa + i * G, sg + i * G);
+    }
+  });
 }
 
 torch::Tensor rms_norm_rows(torch::Tensor x_in, torch::Tensor w, double eps) {
@@ -151,17 +188,7 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
   const float* nw = norm_w.numel() ? norm_w.data_ptr<float>() : nullptr;
   std::vector<int8_t> act(N * Kp);
   std::vector<float> sa(N * G), sg(N * G);
-  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {  // rows are independent
-    std::vector<float> normed(nw ? K : 0);
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* r = xp + i * K;
-      if (nw) {
-        norm_row(r, nw, K, eps, normed.data());
-        r = normed.data();
-      }
-      quantize_groups_row(r, K, G, act.data() + i * Kp, sa.data() + i * G, sg.data() + i * G);
-    }
-  });
+  quantize_groups_rows(xp, N, K, Kp, nw, eps, act.data(), sa.data(), sg.data());
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
   auto out = torch::empty(out_shape, x.options());
@@ -178,10 +205,10 @@ torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_sca
         const int8_t* at = act.data() + t0 * Kp;
         const float *st = sa.data() + t0 * G, *gt = sg.data() + t0 * G;
         switch (TB) {
-          case 1: tile<1>(at, Kp, st, gt, wc, acc); break;
-          case 2: tile<2>(at, Kp, st, gt, wc, acc); break;
-          case 3: tile<3>(at, Kp, st, gt, wc, acc); break;
-          default: tile<4>(at, Kp, st, gt, wc, acc); break;
+          case 1: chunk_dots<1>(at, Kp, st, gt, wc, acc); break;
+          case 2: chunk_dots<2>(at, Kp, st, gt, wc, acc); break;
+          case 3: chunk_dots<3>(at, Kp, st, gt, wc, acc); break;
+          default: chunk_dots<4>(at, Kp, st, gt, wc, acc); break;
         }
         for (int b = 0; b < CHUNK_BLOCKS; ++b) {  // step 4: y = S * w_scale (+ bias)
           const int64_t j0 = (c * CHUNK_BLOCKS + b) * OUT_BLOCK, n = std::min<int64_t>(OUT_BLOCK, M - j0);

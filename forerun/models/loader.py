@@ -116,19 +116,16 @@ def ensure_float_weights(folder: Path) -> None:
 def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> torch.nn.Module:
     """The decoder class MODEL_CLASSES names for the folder's config.json, loaded and finished."""
     dtype = resolve_dtype(dtype, folder, device)
-    if dtype == "gguf":  # every linear on the file's own blocks (models/gguf_native.py)
-        from forerun.models.gguf_native import native_source, place_native_
+    # gguf: every linear on the file's own blocks (models/gguf_native.py); int8 / int4 of such a
+    # file: quantized from those blocks, one matrix at a time (no float32 copy, on disk or in memory)
+    if dtype == "gguf" or (dtype in ("int8", "int4") and _from_blocks(folder, device)):
+        from forerun.models.gguf_native import native_source, place_native_, requantize_
 
         source = native_source(folder, device)
         model = _on_meta(folder)
-        place_native_(model, source)
-        return finish_model(model, dtype, device)
-    if dtype in ("int8", "int4") and _from_blocks(folder, device):  # no float32 copy of the file, on disk or in memory
-        from forerun.models.gguf_native import native_source, place_native_, requantize_
-
-        model = _on_meta(folder)
-        place_native_(model, native_source(folder, device))
-        requantize_(model, dtype)
+        place_native_(model, source)  # a tied head reads the embedding's blocks
+        if dtype != "gguf":
+            requantize_(model, dtype)
         return finish_model(model, dtype, device)
     model = _on_meta(folder)
     cfg = model.config
@@ -152,6 +149,8 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ModelLoadError(f"weights in {folder} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return finish_model(model, dtype, device)
 
 
@@ -159,7 +158,7 @@ def _from_blocks(folder: Path, device) -> bool:
     """Whether int8 / int4 for `folder` are quantized straight from its GGUF file's blocks (one
     matrix dequantized at a time: the same values as the float32 copy, which is then never
     written): a folder converted from a GGUF the native kernels read, on the CPU."""
-    return torch.device(device).type == "cpu" and resolve_dtype("auto", folder, device) == "gguf"
+    return resolve_dtype("auto", folder, device) == "gguf"
 
 
 def _on_meta(folder: Path) -> torch.nn.Module:
@@ -170,13 +169,8 @@ def _on_meta(folder: Path) -> torch.nn.Module:
 
 
 def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
-    """Tie, place, quantise; the common tail of every way of building a model."""
+    """Place, quantise; the common tail of every way of building a model (each ties its own head)."""
     cfg = model.config
-    from forerun.models.gguf_native import GGUFEmbedding
-
-    # (built from the file's blocks, the head already reads the embedding's)
-    if cfg.tie_word_embeddings and dtype != "gguf" and not isinstance(model.model.embed_tokens, GGUFEmbedding):
-        model.lm_head.weight = model.model.embed_tokens.weight
     # Built on the meta device, the RoPE buffers hold no data yet: compute them here.
     if isinstance(model, LlamaForCausalLM):
         model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
