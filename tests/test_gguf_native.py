@@ -65,7 +65,8 @@ def reference(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     qk = NATIVE_TYPES[w.type][0]
     xb = x.double().view(x.shape[0], -1, qk)
     amax = xb.abs().amax(-1, keepdim=True).float()
-    q = torch.clamp(torch.round(xb.float() * (127 / amax)), -127, 127).double()
+    inv = torch.full_like(amax, 127.0) / amax  # a true division: `127 / amax` is reciprocal() * 127, one rounding off
+    q = torch.clamp(torch.round(xb.float() * inv), -127, 127).nan_to_num(0.0).double()  # 0 * inf: a zero block
     a = (q * (amax / 127).double()).view(x.shape)
     return a @ w.dequantize().double().T
 
@@ -83,6 +84,23 @@ def test_the_kernel_computes_the_documented_function(t):
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
 
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q5_0], ids=["Q4_K", "Q5_0"])
+def test_activation_blocks_at_the_edges_quantize_as_documented(t):
+    """An all-zero block, one dominated by a single value, and values at the int8 grid's
+    half-steps (round half to even): the vector quantizer gives the documented function."""
+    w = blocks(t, 19, 512, seed=7)
+    x = torch.randn(5, 512)
+    x[0, :256] = 0.0  # a zero block (K types: 256 wide; legacy: 8 blocks of 32)
+    x[1, 3] = 1e4  # one value sets the whole block's scale
+    x[2] = (torch.arange(512) % 255 - 127).float() / 2  # k / 2: many exact .5 steps of amax / 127
+    x[2, 0] = 127.0
+    ref = reference(x, w)
+    y = GGUFLinear([w])(x)
+    # each row against its own size (row 1's is ~1e3 times the others'): float32 sums stay under
+    # 3e-6 of it, while one activation rounded the other way moves an output by ~ amax / 127 * |w|,
+    # 2e-4 of row 2's (the half-steps; the reference's `127 / amax` as a reciprocal did exactly that)
+    err, size = (y.double() - ref).abs().amax(1), ref.abs().amax(1)
+    assert (err <= 1e-5 * size).all()
 def test_rows_get_the_same_bits_alone_and_in_any_batch_across_mixed_parts(monkeypatch):
     """A fused linear of three types (K and legacy: two activation quantizations) gives each
     token the bits it gets alone, in any batch shape, and each part its own output rows (the
