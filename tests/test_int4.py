@@ -87,6 +87,46 @@ def test_the_4_bit_weights_are_held_packed_only_and_unpack_exactly():
         assert torch.equal(other(x), lin(x)) and torch.equal(other.weight, lin.weight)
 
 
+def min_max_grid(w: torch.Tensor) -> torch.Tensor:
+    """Per group of 64: the min-max grid's dequantized weights (m = min, d = (max - m) / 15,
+    float16), the fit's first candidate."""
+    g = w.float().view(w.shape[0], -1, GROUP)
+    m = g.amin(-1, keepdim=True).half().float()
+    d = ((g.amax(-1, keepdim=True) - m) / 15).half().float()
+    u = torch.where(d > 0, ((g - m) / d.clamp_min(1e-30)).round().clamp(0, 15), torch.zeros_like(g))
+    return (d * u + m).view_as(w)
+
+
+def test_the_fitted_grid_is_never_worse_than_min_max_and_mostly_better():
+    """Each group's squared error is at most the min-max grid's (a small slack: that grid's u is
+    computed by division here, with 1 / d there), and over a tenth less in all on Gaussian weights with
+    outliers; u is the nearest level of the group's own grid."""
+    torch.manual_seed(5)
+    w = torch.randn(64, 8 * GROUP)
+    w[::7, ::13] *= 6  # heavy tails, as trained weights have
+    u, d, m = quantize_groups(w)
+    fit = dequantize_groups(u, d, m, w.shape[1])
+    err = lambda q: ((q - w).view(64, -1, GROUP) ** 2).sum(-1)  # noqa: E731
+    assert (err(fit) <= err(min_max_grid(w)) * (1 + 1e-5) + 1e-9).all()
+    assert err(fit).sum() < 0.9 * err(min_max_grid(w)).sum()  # 0.86 here; 0.83 without the outliers
+    step = d.float().repeat_interleave(GROUP, 1)
+    level = ((w - m.float().repeat_interleave(GROUP, 1)) / step).clamp(0, 15)
+    assert ((level - u.float()).abs() <= 0.5 + 1e-3).all()
+
+
+def test_the_fit_does_not_depend_on_threads():
+    torch.manual_seed(6)
+    w = torch.randn(300, 3 * GROUP)
+    threads = torch.get_num_threads()
+    try:
+        many = quantize_groups(w)
+        torch.set_num_threads(1)
+        one = quantize_groups(w)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(many, one))
+
+
 def test_padding_does_not_widen_the_last_group():
     w = torch.linspace(0.5, 1.0, 70).repeat(2, 1)  # 70 inputs: the last group has 6 real ones
     u, d, m = quantize_groups(w)

@@ -249,6 +249,7 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
 void bind_layer_rows(pybind11::module& m);  // layer_rows.cpp
 void bind_gguf_rows(pybind11::module& m);   // gguf_rows.cpp
 void bind_gguf_packed_rows(pybind11::module& m);  // gguf_packed_rows.cpp
+void bind_int4_fit_rows(pybind11::module& m);  // int4_fit_rows.cpp
 
 // What this build was made from (kernel_key.py passes them as -D hex tokens; int8_kernel.py
 // reuses a build only while they match its sources, torch, -march and CPU).
@@ -275,6 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_layer_rows(m);
   bind_gguf_rows(m);
   bind_gguf_packed_rows(m);
+  bind_int4_fit_rows(m);
   m.attr("BUILD_KEY") = FORERUN_STR(FORERUN_BUILD_KEY);
   m.attr("BUILD_SOURCES") = FORERUN_STR(FORERUN_BUILD_SOURCES);
   m.attr("BUILD_CPU") = FORERUN_STR(FORERUN_BUILD_CPU);
