@@ -3,7 +3,8 @@ oneDNN capped by ONEDNN_MAX_CPU_ISA (read once, at its first use: hence a new pr
 torch's own vectorised ops (SDPA, norms, softmax) by ATEN_CPU_CAPABILITY, and forerun's
 kernel compiled for less than the host (FORERUN_KERNEL_MARCH). A CPU with AMX
 then also checks the AVX512-VNNI-only path, and every CPU checks AVX512 without VNNI and
-AVX2, so a change that breaks one of them fails here, not on a user's machine."""
+AVX2, so a change that breaks one of them fails here, not on a user's machine. int4's fitted
+weight grid must also come out byte for byte as on the host at each level."""
 import os
 import platform
 import subprocess
@@ -24,6 +25,22 @@ LEVELS = [  # (ONEDNN_MAX_CPU_ISA, FORERUN_KERNEL_MARCH, ATEN_CPU_CAPABILITY, CP
 ]
 
 
+# A digest of int4's fitted grid (u, d, m) for a fixed matrix with outliers and a part-padding last group.
+FIT_DIGEST = """
+import hashlib, torch
+from forerun.models.quant4 import quantize_groups
+g = torch.Generator().manual_seed(3)
+w = torch.randn(300, 1000, generator=g)
+w[::5, ::11] *= 8
+print(hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in quantize_groups(w))).hexdigest())
+"""
+
+
+def fit_digest() -> str:
+    return subprocess.run([sys.executable, "-c", FIT_DIGEST], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900).stdout.strip().splitlines()[-1]
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
 @pytest.mark.parametrize("isa,march,aten,needs", LEVELS, ids=[level[0] for level in LEVELS])
 def test_int8_bits_hold_at_this_isa_level(isa, march, aten, needs):
@@ -38,6 +55,10 @@ def test_int8_bits_hold_at_this_isa_level(isa, march, aten, needs):
     vnni = built.stdout.strip().splitlines()[-1] if built.stdout.strip() else "None"
     if march != "native":  # the level's kernel really is the lower one (or none where g++ is missing)
         assert vnni in ("False", "None"), built.stdout + built.stderr
+    if vnni != "None":  # int4's weight grid: the same bytes from this level's kernel as from the host's
+        fitted = subprocess.run([sys.executable, "-c", FIT_DIGEST], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=900)
+        assert fitted.stdout.strip().splitlines()[-1:] == [fit_digest()], fitted.stdout + fitted.stderr
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *BIT_LEVEL_TESTS],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
