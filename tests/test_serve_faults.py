@@ -12,17 +12,29 @@ from tests.serve_util import tiny_server, wait_idle
 LONG = {"prompt": "0123", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture()
-def slow_server(monkeypatch):
-    """Steps slowed to >= 5 ms, so a 240-token request runs for over a second."""
+def slowed(monkeypatch, seconds: float):
     real = scheduler_mod.Scheduler._step
 
     def slow(self):
         real(self)
-        time.sleep(0.005)
+        time.sleep(seconds)
 
     monkeypatch.setattr(scheduler_mod.Scheduler, "_step", slow)
-    with tiny_server(k=2) as s:
+    return tiny_server(k=2)
+
+
+@pytest.fixture()
+def slow_server(monkeypatch):
+    """Steps slowed to >= 5 ms, so a 240-token request runs for over a second."""
+    with slowed(monkeypatch, 0.005) as s:
+        yield s
+
+
+@pytest.fixture()
+def slower_server(monkeypatch):
+    """Steps slowed to >= 25 ms, so a 240-token request (at most 3 tokens a step at k 2) runs
+    for 2 s or more: an idle server 1.5 s after its client gave up means it was cancelled."""
+    with slowed(monkeypatch, 0.025) as s:
         yield s
 
 
@@ -55,11 +67,17 @@ def test_a_disconnect_mid_stream_frees_the_sequence_at_once(slow_server):
     still_serves(s)
 
 
-def test_a_non_streaming_client_that_gives_up_is_cancelled(slow_server):
-    s = slow_server
+def test_a_non_streaming_client_that_gives_up_is_cancelled(slower_server):
+    """Tokens keep arriving while the client is gone: the server still notices (it checks
+    every 0.25 s, not only when no token came) and frees the sequence long before its end."""
+    s = slower_server
     with pytest.raises(httpx.ReadTimeout):
         with httpx.Client(base_url=s.url, timeout=0.4) as c:
             c.post("/v1/completions", json=LONG)
+    gave_up = time.time()
+    wait_idle(s.scheduler, timeout=5.0)
+    assert time.time() - gave_up < 1.5
+    assert 'forerun_requests_total{outcome="cancelled"} 1.0' in s.client().get("/metrics").text
     assert_clean(s)
     still_serves(s)
 

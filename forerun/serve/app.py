@@ -17,6 +17,7 @@ from forerun.serve.scheduler import QueueFull, Scheduler, TooLarge
 from forerun.serve.schemas import ChatRequest, CompletionRequest
 from forerun.serve.tokenize_routes import add_tokenizer_routes
 
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (404, "unknown model"), (429, "queue full")]}
 
 
@@ -147,24 +148,30 @@ async def _stream(scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue,
 
 
 async def _collect(request: Request, scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue, shape: Shape):
-    """The whole completion; polls for a client disconnect while waiting (then cancels)."""
+    """The whole completion; polls for a client disconnect every 0.25 s while waiting, tokens
+    arriving or not (then cancels)."""
     parts, entries, done = [], [], False
+    loop = asyncio.get_running_loop()
+    next_poll = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
             try:
-                ev = await asyncio.wait_for(queue.get(), timeout=0.25)
+                ev = await asyncio.wait_for(queue.get(), timeout=max(0.0, next_poll - loop.time()))
             except asyncio.TimeoutError:
+                ev = None
+            if ev is not None:
+                if ev.error:
+                    done = True
+                    return JSONResponse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}}, 500)
+                parts.append(ev.text)
+                entries.extend(ev.logprobs or [])
+                if ev.finish_reason:
+                    done = True
+                    return JSONResponse(shape.full("".join(parts), ev, entries))
+            if loop.time() >= next_poll:  # (a token every few ms must not starve this check)
                 if await request.is_disconnected():
                     return Response(status_code=499)
-                continue
-            if ev.error:
-                done = True
-                return JSONResponse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}}, 500)
-            parts.append(ev.text)
-            entries.extend(ev.logprobs or [])
-            if ev.finish_reason:
-                done = True
-                return JSONResponse(shape.full("".join(parts), ev, entries))
+                next_poll = loop.time() + DISCONNECT_POLL_S
     finally:
         if not done:
             req.cancel()
