@@ -135,9 +135,13 @@ def test_a_stale_installed_module_is_refused_and_built_at_run_time(built, tmp_pa
     monkeypatch.setattr(int8_kernel, "MARCH", "native")
     monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("FORERUN_NO_KERNELS", raising=False)
+    monkeypatch.delitem(sys.modules, build.name, raising=False)
     got = int8_kernel.kernels()
     err = capsys.readouterr().err.splitlines()
     assert got.origin == "runtime-built" and got.module.twice(5) == 10, err
+    # refused from its bytes, never imported: an imported stale module's pybind11 classes would
+    # keep the fresh build from loading in this process
+    assert build.name not in sys.modules
     assert got.module.BUILD_SOURCES != build.digest and got.where.startswith(str(tmp_path / "cache" / "kernels"))
     assert [line for line in err if "kernels are stale" in line] == [
         f"forerun: the installed kernels are stale (sources changed since `pip install -e .`); rebuilding for this "

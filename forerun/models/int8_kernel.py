@@ -132,17 +132,22 @@ def installed(build: Build, name: str) -> tuple[object | None, str | None]:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin:
         return None, "no kernels were built at install (torch was not importable when `pip install -e .` ran)"
-    # Checked before the import: -march=native code may use instructions another CPU lacks.
-    if build.cpu.encode() not in Path(spec.origin).read_bytes():
+    # Checked in the file's bytes (the build's strings), before any import: -march=native code
+    # may use instructions another CPU lacks, and a stale module once imported would keep the
+    # runtime build from loading in this process (pybind11 registers each class once).
+    data = Path(spec.origin).read_bytes()
+    if build.cpu.encode() not in data:
         return None, "the installed kernels were built for another CPU"
+    if build.digest.encode() not in data:
+        return None, "the installed kernels are stale (sources changed since `pip install -e .`)"
+    if build.key.encode() not in data:
+        return None, "the installed kernels were built for another torch"
     try:
         module = importlib.import_module(name)
     except ImportError as e:
         return None, f"the installed kernels do not load ({str(e).splitlines()[0][:160]})"
-    if getattr(module, "BUILD_SOURCES", None) != build.digest:
-        return None, "the installed kernels are stale (sources changed since `pip install -e .`)"
-    if getattr(module, "BUILD_KEY", None) != build.key:
-        return None, "the installed kernels were built for another torch"
+    if getattr(module, "BUILD_KEY", None) != build.key:  # (the bytes above held it elsewhere: never seen)
+        return None, "the installed kernels do not carry their key"
     return module, None
 
 
