@@ -101,6 +101,8 @@ def test_activation_blocks_at_the_edges_quantize_as_documented(t):
     # 2e-4 of row 2's (the half-steps; the reference's `127 / amax` as a reciprocal did exactly that)
     err, size = (y.double() - ref).abs().amax(1), ref.abs().amax(1)
     assert (err <= 1e-5 * size).all()
+
+
 def test_rows_get_the_same_bits_alone_and_in_any_batch_across_mixed_parts(monkeypatch):
     """A fused linear of three types (K and legacy: two activation quantizations) gives each
     token the bits it gets alone, in any batch shape, and each part its own output rows (the

@@ -119,6 +119,7 @@ def test_the_fit_does_not_depend_on_threads():
     w = torch.randn(300, 3 * GROUP)
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         many = quantize_groups(w)
         torch.set_num_threads(1)
         one = quantize_groups(w)

@@ -44,7 +44,7 @@
 // gguf_packed_rows.cpp.
 void gguf_quantize_acts(const float* x, int64_t N, int64_t K, int64_t qk, int8_t* qa, float* da, int16_t* bsum) {
   // a few tokens are quicker on this thread than the other's wake-up: threads from 64K values on
-  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* xt = x + t * K;
       int8_t* q = qa + t * K;

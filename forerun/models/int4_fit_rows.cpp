@@ -64,8 +64,8 @@ Eval grid(const float* x, int64_t n, float d, float m, uint8_t* u) {
     const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.f);
     for (; i < GROUP; i += LANES) {
       const __m512 xv = _mm512_loadu_ps(x + i);
-      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 q = _mm512_min_ps(top, _mm512_max_ps(zero, r));
+      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vi), _MM_FROUND_CUR_DIRECTION);
+      const __m512 q = _mm512_min_ps(top, _mm512_max_ps(r, zero));  // (r, zero): NaN -> 0, as std::max(0.f, r)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(u + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
       const __m512 e = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(vd, q), vm), xv);
       e2 = _mm512_add_ps(e2, _mm512_mul_ps(e, e));
@@ -132,7 +132,8 @@ void fit_group(const float* x, int64_t n, uint8_t* u_out, uint16_t* d_out, uint1
 // w [M, K] float32 -> u [M, Kp] uint8 in 0..15, d and m [M, Kp / 64] float16 (Kp: K up to a
 // multiple of 64; padding inputs get u = 0).
 std::vector<torch::Tensor> int4_fit_groups(torch::Tensor w_in) {
-  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == torch::kFloat32, "int4_fit_groups: w is not float32 [M, K]");
+  TORCH_CHECK(w_in.device().is_cpu() && w_in.dim() == 2 && w_in.scalar_type() == torch::kFloat32,
+              "int4_fit_groups: w is not a CPU float32 [M, K]");
   const auto w = w_in.contiguous();
   const int64_t M = w.size(0), K = w.size(1), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
   auto u = torch::zeros({M, Kp}, torch::kUInt8);

@@ -143,7 +143,7 @@ void quantize_groups_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, con
                           float* sa, float* sg) {
   const int64_t G = Kp / GROUP;
   // a few rows are quicker on this thread than the other's wake-up: threads from 64K values on
-  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K)), [&](int64_t i0, int64_t i1) {
     std::vector<float> normed(nw ? K : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const float* r = xp + i * K;
