@@ -43,27 +43,25 @@ class Int8Linear(nn.Module):
             raise RuntimeError("int8 needs forerun's compiled kernel, which could not be built here "
                                "(see the warning above); use float32")
         self._kernel = kernel
-        self._rows = kernel.int8_rows
         self.weight_packed = pack_weight(self.weight_int8)
-        self._set_rows_args()
+        self._bind()
 
     def __getstate__(self):  # deepcopy / pickle: drop the opaque kernel handles...
         state = dict(self.__dict__)
-        state.update(_kernel=None, _rows=None, _rows_args=None, kernel_linear=None, weight_packed=None)
+        state.update(_kernel=None, kernel_linear=None, weight_packed=None)
         return state
 
     def __setstate__(self, state):  # ...and rebuild them from the int8 weights
         super().__setstate__(state)
         self._build_kernels()
 
-    def _set_rows_args(self):
-        """The kernel's arguments as a plain tuple: nn.Module attribute lookups cost ~1 us each,
-        and the hot path makes one call. (int8 is a CPU-only path: these tensors never move.)"""
+    def _bind(self):
+        """The kernel call with its arguments bound once in C++ (KernelLinear, layer_rows.cpp):
+        forward's one call, and what a whole-layer kernel call takes. nn.Module attribute lookups
+        cost ~1 us each. (int8 is a CPU-only path: these tensors never move.)"""
         empty = self.weight_scale[:0]
         bias = self.bias.data if self.bias is not None else empty
         norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
-        self._rows_args = (self.weight_packed, self.weight_scale, bias, norm_w, eps)
-        # the same call, bound in C++: what a whole-layer kernel call takes (layer_rows.cpp)
         self.kernel_linear = self._kernel.KernelLinear(False, self.weight_packed, self.weight_scale, empty, bias, norm_w,
                                                        eps, self.out_features)
 
@@ -74,7 +72,7 @@ class Int8Linear(nn.Module):
         if type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32:
             return False
         self.pre_norm = norm
-        self._set_rows_args()
+        self._bind()
         return True
 
     @property
@@ -84,7 +82,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        y = self._rows(x if dtype == torch.float32 else x.float(), *self._rows_args)  # one call, no other op
+        y = self.kernel_linear(x if dtype == torch.float32 else x.float())  # one call, no other op
         return y if dtype == torch.float32 else y.to(dtype)
 
     def extra_repr(self) -> str:

@@ -97,8 +97,7 @@ class Int4Linear(nn.Module):
             raise RuntimeError("int4 needs forerun's compiled kernel, which could not be built here "
                                "(see the warning above); use int8 or float32")
         self._kernel = kernel
-        self._rows = kernel.int4_rows
-        self._set_args()
+        self._bind()
 
     def u4_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """[len(ids) or out, Kp] uint8 0..15: the 4-bit weights of the given output rows (all by default)."""
@@ -106,15 +105,15 @@ class Int4Linear(nn.Module):
             ids = torch.arange(self.out_features)
         return unpack_rows(self._packed[0], ids)
 
-    def _set_args(self):
+    def _bind(self):
+        """As Int8Linear._bind: the kernel call, its arguments bound once in C++."""
         empty = torch.empty(0)
         bias = self.bias.data if self.bias is not None else empty
         norm_w, eps = (self.pre_norm.weight.data, self.pre_norm.eps) if self.pre_norm is not None else (empty, 0.0)
-        self._args = (*self._packed, bias, norm_w, eps, self.out_features)
-        self.kernel_linear = self._kernel.KernelLinear(True, *self._args)  # the same call, bound in C++ (layer_rows.cpp)
+        self.kernel_linear = self._kernel.KernelLinear(True, *self._packed, bias, norm_w, eps, self.out_features)
 
     def __getstate__(self):  # deepcopy / pickle: drop the kernel handles (the packed weights are tensors)...
-        return {**self.__dict__, "_kernel": None, "_rows": None, "_args": None, "kernel_linear": None}
+        return {**self.__dict__, "_kernel": None, "kernel_linear": None}
 
     def __setstate__(self, state):  # ...and bind them again
         super().__setstate__(state)
@@ -130,12 +129,12 @@ class Int4Linear(nn.Module):
         if type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32:
             return False
         self.pre_norm = norm
-        self._set_args()
+        self._bind()
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        y = self._rows(x if dtype == torch.float32 else x.float(), *self._args)
+        y = self.kernel_linear(x if dtype == torch.float32 else x.float())
         return y if dtype == torch.float32 else y.to(dtype)
 
     def extra_repr(self) -> str:
