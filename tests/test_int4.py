@@ -1,6 +1,7 @@
-"""int4 (4-bit weights in groups of 64, int8 activations per group of 64): the kernel computes
-the documented function, a token's bits never depend on its batch-mates, and so int4
-speculative decoding emits exactly what int4 plain decoding emits."""
+"""int4 (4-bit weights in groups of 64, int8 activations per group of 64; Q4_K blocks through
+the gguf kernels where a linear's inputs are whole blocks of 256): the kernel computes the
+documented function, a token's bits never depend on its batch-mates, and so int4 speculative
+decoding emits exactly what int4 plain decoding emits."""
 import pytest
 import torch
 
@@ -12,7 +13,8 @@ from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="int4 needs the compiled kernels")
 
-from forerun.models.quant4 import GROUP, Int4Linear, dequantize_groups, quantize_groups  # noqa: E402
+from forerun.models.gguf_native import GGUFLinear  # noqa: E402
+from forerun.models.quant4 import GROUP, Int4Linear, dequantize_groups, int4_linear, quantize_groups  # noqa: E402
 from tests.test_quant import group_quantized  # noqa: E402
 
 
@@ -116,16 +118,77 @@ def test_the_fitted_grid_is_never_worse_than_min_max_and_mostly_better():
 
 def test_the_fit_does_not_depend_on_threads():
     torch.manual_seed(6)
-    w = torch.randn(300, 3 * GROUP)
+    w = torch.randn(300, 4 * GROUP)
     threads = torch.get_num_threads()
+    fits = lambda: [*quantize_groups(w), int8_kernel.load().int4_fit_q4k(w)]  # noqa: E731
     try:
         torch.set_num_threads(2)
-        many = quantize_groups(w)
+        many = fits()
         torch.set_num_threads(1)
-        one = quantize_groups(w)
+        one = fits()
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(many, one))
+
+
+def q4k_values(blocks: torch.Tensor, K: int) -> torch.Tensor:
+    """Q4_K bytes [M, K / 256 * 144] -> [M, K] float32, by ggml's dequantization (the gguf kernels')."""
+    return int8_kernel.load().gguf_dequant_rows(blocks, 12, torch.arange(blocks.shape[0]), K, False)
+
+
+def plain_q4k(w: torch.Tensor) -> torch.Tensor:
+    """A plain Q4_K quantization's values: per sub-block of 32 the min-max line (its minimum
+    held at or below 0), 6-bit multiples of per-256 float16 scales (largest / 63), nearest levels."""
+    sub = w.view(w.shape[0], -1, 8, 32)
+    lo = sub.amin(-1).clamp(max=0)
+    s, mn = (sub.amax(-1) - lo) / 15, -lo
+    D, Dm = (s.amax(-1, keepdim=True) / 63).half().float(), (mn.amax(-1, keepdim=True) / 63).half().float()
+    ds = (D * (s / D).round().clamp(0, 63)).unsqueeze(-1)
+    ms = (Dm * (mn / Dm).round().clamp(0, 63)).unsqueeze(-1)
+    q = ((sub + ms) / ds.clamp_min(1e-30)).round().clamp(0, 15)
+    return (ds * q - ms).view_as(w)
+
+
+def test_q4k_blocks_are_fitted_closer_than_a_plain_q4k_and_than_groups_of_64():
+    """int4's Q4_K form at the same 4.5 bits a weight: closer to Gaussian weights with outliers
+    than the plain Q4_K quantization and than int4's own groups of 64."""
+    torch.manual_seed(7)
+    w = torch.randn(96, 1024)
+    w[::7, ::13] *= 6
+    fit = q4k_values(int8_kernel.load().int4_fit_q4k(w), 1024)
+    err = lambda v: float(((v - w) ** 2).sum())  # noqa: E731
+    assert err(fit) < 0.9 * err(plain_q4k(w))
+    assert err(fit) < 0.9 * err(dequantize_groups(*quantize_groups(w), 1024))
+
+
+def test_weights_already_on_a_q4k_grid_come_back_byte_for_byte():
+    """Blocks as ggml's quantizer writes them (each super-block's largest scale and minimum at
+    63; here every sub-block spans levels 0..15) are found again exactly, bytes included."""
+    torch.manual_seed(8)
+    rows, nb = 40, 4
+    sc, mn = torch.randint(1, 64, (rows, nb, 8)), torch.randint(0, 64, (rows, nb, 8))
+    sc[..., 2], mn[..., 5] = 63, 63
+    q = torch.randint(0, 16, (rows, nb, 8, 32))
+    q[..., 3], q[..., 17] = 0, 15
+    D = (torch.rand(rows, nb, 1) * 1e-2 + 1e-4).half().float()
+    Dm = (torch.rand(rows, nb, 1) * 1e-2).half().float()
+    w = ((D * sc).unsqueeze(-1) * q - (Dm * mn).unsqueeze(-1)).view(rows, nb * 256)
+    blocks = int8_kernel.load().int4_fit_q4k(w)
+    assert torch.equal(q4k_values(blocks, nb * 256), w)
+    assert torch.equal(int8_kernel.load().int4_fit_q4k(q4k_values(blocks, nb * 256)), blocks)
+
+
+def test_int4_takes_the_q4k_form_for_whole_blocks_of_256_only():
+    torch.manual_seed(9)
+    wide, narrow = torch.nn.Linear(512, 40), torch.nn.Linear(896, 40, bias=False)
+    q, g = int4_linear(wide), int4_linear(narrow)
+    assert isinstance(q, GGUFLinear) and [p.type for p in q.parts] == [12] and isinstance(g, Int4Linear)
+    x = torch.randn(3, 512)
+    assert torch.equal(q.weight, q4k_values(int8_kernel.load().int4_fit_q4k(wide.weight.detach()), 512))
+    assert torch.equal(q.bias, wide.bias.detach())
+    assert (q(x) - torch.nn.functional.linear(x, wide.weight)).abs().max() < 0.1
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        int8_kernel.load().int4_fit_q4k(narrow.weight.detach())
 
 
 def test_padding_does_not_widen_the_last_group():
@@ -151,9 +214,10 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 3
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 
-@pytest.fixture(scope="module", params=[0, 1])
-def verifier(request):
-    return LLM(tiny_model(seed=request.param, dtype="int4", hidden_size=64, intermediate_size=128), dtype="int4")
+@pytest.fixture(scope="module", params=[(0, 64, 128), (1, 64, 128), (2, 256, 512)], ids=["groups", "groups2", "q4k"])
+def verifier(request):  # widths of 256: the Q4_K form, on the gguf kernels
+    seed, hidden, ffn = request.param
+    return LLM(tiny_model(seed=seed, dtype="int4", hidden_size=hidden, intermediate_size=ffn), dtype="int4")
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +227,8 @@ def plain(verifier):
 
 def test_the_int4_model_uses_the_kernels(verifier):
     layer = verifier.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(verifier.model.lm_head, Int4Linear)
+    form = GGUFLinear if verifier.model.config.hidden_size % 256 == 0 else Int4Linear
+    assert isinstance(layer.self_attn.qkv_proj, form) and isinstance(verifier.model.lm_head, form)
     assert layer.self_attn.prefix_attention is not None and layer.self_attn.qkv_proj.pre_norm is not None
 
 

@@ -25,14 +25,17 @@ LEVELS = [  # (ONEDNN_MAX_CPU_ISA, FORERUN_KERNEL_MARCH, ATEN_CPU_CAPABILITY, CP
 ]
 
 
-# A digest of int4's fitted grid (u, d, m) for a fixed matrix with outliers and a part-padding last group.
+# A digest of int4's fitted grids for a fixed matrix with outliers: groups of 64 (u, d, m; a
+# part-padding last group) and Q4_K blocks (of its first 768 inputs).
 FIT_DIGEST = """
 import hashlib, torch
+from forerun.models import int8_kernel
 from forerun.models.quant4 import quantize_groups
 g = torch.Generator().manual_seed(3)
 w = torch.randn(300, 1000, generator=g)
 w[::5, ::11] *= 8
-print(hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in quantize_groups(w))).hexdigest())
+fits = [*quantize_groups(w), int8_kernel.load().int4_fit_q4k(w[:, :768].contiguous())]
+print(hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in fits)).hexdigest())
 """
 
 

@@ -209,12 +209,13 @@ def _real_gguf() -> Path | None:
 @pytest.fixture(scope="module")
 def real_tokenizers():
     """(forerun's Tokenizer from the GGUF's metadata alone, transformers' from the GGUF); ~20 s."""
-    from forerun.models.gguf_convert import _generation_config, _open_reader
+    from forerun.models.gguf_convert import _generation_config
+    from forerun.models.gguf_index import open_reader
 
     path = _real_gguf()
     if path is None:
         pytest.skip(f"no Qwen2.5-Coder GGUF: set FORERUN_QWEN_GGUF or cache {cache_dir() / 'gguf' / REAL_NAME}")
-    meta = _read_metadata(_open_reader(path), path)
+    meta = _read_metadata(open_reader(path), path)
     assert meta["general.architecture"] == "qwen2" and meta["tokenizer.ggml.pre"] == "qwen2"
     model_config = {"eos_token_id": _generation_config(meta).get("eos_token_id")}
     ours = Tokenizer(build_tokenizer(meta, path), _tokenizer_config(meta), model_config)

@@ -194,9 +194,9 @@ def _like(linear: nn.Linear, dtype: str) -> nn.Module:
 
         return Int8Linear(linear)
     if dtype == "int4":
-        from forerun.models.quant4 import Int4Linear
+        from forerun.models.quant4 import int4_linear
 
-        return Int4Linear(linear)
+        return int4_linear(linear)
     from forerun.models import int8_kernel
 
     kernel = int8_kernel.load() if dtype == "float32" else None

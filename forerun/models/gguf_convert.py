@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from forerun.errors import ModelLoadError
+from forerun.models.gguf_index import gguf_index, open_reader
 
 SOURCE_FILE = "forerun_gguf.json"  # in a converted folder: the GGUF it came from
 
@@ -75,7 +76,8 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
     time a float precision needs them.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
+    gguf_index(gguf_path, reader)  # what the native loads read instead of parsing the file again
     meta = _read_metadata(reader, gguf_path)
     arch = _architecture(meta, gguf_path)
     config = arch.config(meta, reader, gguf_path)
@@ -105,7 +107,7 @@ def write_weights(folder: Path, gguf_path: Path, progress: bool = True) -> None:
     beside, then renamed into place: a crash never leaves a partial file)."""
     from safetensors.numpy import save_file
 
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
     meta = _read_metadata(reader, gguf_path)
     arch = _architecture(meta, gguf_path)
     config = arch.config(meta, reader, gguf_path)
@@ -120,17 +122,6 @@ def write_weights(folder: Path, gguf_path: Path, progress: bool = True) -> None:
 
 
 # --- reading -----------------------------------------------------------------------------------
-
-
-def _open_reader(path: Path):
-    from gguf import GGUFReader
-
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # bad magic, truncation and garbage surface as assorted numpy/struct errors
-        raise ModelLoadError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from None
 
 
 def _read_metadata(reader, path: Path) -> dict[str, Any]:
@@ -329,15 +320,24 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _dequantize(tensor, path: Path) -> np.ndarray:
+    return dequantize_bytes(tensor.data, int(tensor.tensor_type), tuple(int(n) for n in tensor.shape), tensor.name, path)
+
+
+def dequantize_bytes(data: np.ndarray, qtype: int, dims: tuple[int, ...], name: str, path: Path) -> np.ndarray:
+    """A tensor's data (its raw bytes, or the reader's typed view) of ggml type `qtype` and GGUF
+    dims (fastest-first) -> float32 values, shaped slowest-first."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     try:
-        values = dequantize(tensor.data, tensor.tensor_type)
-    except Exception as e:  # an unimplemented quant type, or data cut short
-        raise ModelLoadError(f"{path}: cannot dequantise {tensor.name} ({tensor.tensor_type.name}): {e}") from None
-    expected = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        kind = GGMLQuantizationType(qtype)
+        values = dequantize(data, kind)
+    except Exception as e:  # an unknown or unimplemented quant type, or data cut short
+        known = GGMLQuantizationType._value2member_map_.get(qtype)
+        raise ModelLoadError(f"{path}: cannot dequantise {name} ({known.name if known else f'ggml type {qtype}'}): {e}") from None
+    expected = tuple(reversed(dims))
     if values.size != int(np.prod(expected)):
-        raise ModelLoadError(f"{path}: tensor {tensor.name} holds {values.size} values, expected {expected}")
+        raise ModelLoadError(f"{path}: tensor {name} holds {values.size} values, expected {expected}")
     return np.ascontiguousarray(values.reshape(expected), dtype=np.float32)
 
 

@@ -40,7 +40,8 @@ NATIVE_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
 
 # Types the packed kernel (gguf_packed_rows.cpp) rearranges 16 rows at a time: the bulk of a
 # Q4_K_M file (Q4_K, and the Q6_K of its attn_v, ffn_down and output head).
-PACKED_TYPES = {12, 14}
+Q4_K, Q6_K = 12, 14
+PACKED_TYPES = {Q4_K, Q6_K}
 
 
 @dataclass(frozen=True)
@@ -221,10 +222,10 @@ def quantized_source(folder: Path) -> bool:
     path = source_of(folder)
     if path is None:
         return False
-    from gguf import GGUFReader
+    from forerun.models.gguf_index import gguf_index
 
     try:
-        types = [int(t.tensor_type) for t in GGUFReader(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+        types = [t.type for t in gguf_index(path).tensors if t.name.startswith("blk.") and len(t.dims) == 2]
     except Exception:
         return False
     return bool(types) and sum(t in NATIVE_TYPES for t in types) * 2 > len(types)
@@ -246,47 +247,35 @@ def native_source(folder: Path, device="cpu") -> Path:
 def place_native_(model: nn.Module, path: Path) -> None:
     """Fill `model` (built on the meta device from its folder's config.json) with the GGUF
     file's own blocks at `path`: every linear a GGUFLinear. The loader finishes it."""
-    from forerun.models.gguf_convert import _architecture, _open_reader, _read_metadata
+    from forerun.models.gguf_convert import _architecture
+    from forerun.models.gguf_index import gguf_index
 
-    reader = _open_reader(path)
-    arch = _architecture(_read_metadata(reader, path), path)
-    _place(model, _read_tensors(reader, arch, model.config, path), model.config, path)
-
-
-def requantize_(model: nn.Module, dtype: str) -> None:
-    """Each GGUFLinear of `model` replaced by its int8 / int4 quantization, one at a time: only
-    one matrix is ever dequantized to float32 (ggml's dequantization: the values the float32
-    model holds, so the result equals quantizing that model). The embedding keeps its blocks."""
-    if dtype == "int8":
-        from forerun.models.quant import Int8Linear as make
-    else:
-        from forerun.models.quant4 import Int4Linear as make
-    for name, module in list(model.named_modules()):
-        if isinstance(module, GGUFLinear):
-            _set(model, name, make(module))
+    index = gguf_index(path)  # (GGUFReader's parse, once per file version: cached)
+    arch = _architecture({"general.architecture": index.architecture}, path)
+    _place(model, _read_tensors(index, arch, model.config, path), model.config, path)
 
 
-def _read_tensors(reader, arch, cfg, path: Path) -> dict[str, Blocks | torch.Tensor]:
+def _read_tensors(index, arch, cfg, path: Path) -> dict[str, Blocks | torch.Tensor]:
     """HF name -> Blocks (a matrix of a native type) or a float32 tensor (everything else)."""
-    from forerun.models.gguf_convert import _dequantize, hf_tensor_name, unpermute_rope_rows
+    from forerun.models.gguf_convert import dequantize_bytes, hf_tensor_name, unpermute_rope_rows
 
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     out: dict[str, Blocks | torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in index.tensors:
         name = hf_tensor_name(tensor.name, arch.layer_names, arch.biased)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {cfg.model_type} model")
         kind = tensor.name.split(".")[-2]
-        t = int(tensor.tensor_type)
-        if t in NATIVE_TYPES and len(tensor.shape) == 2:
-            K, rows = (int(n) for n in tensor.shape)  # GGUF lists dims fastest-first
+        t = tensor.type
+        if t in NATIVE_TYPES and len(tensor.dims) == 2:
+            K, rows = tensor.dims  # GGUF lists dims fastest-first
             qk, nbytes = NATIVE_TYPES[t]
-            data = _read_bytes(path, tensor.data_offset, rows * (K // qk * nbytes)).reshape(rows, K // qk * nbytes)
+            data = _read_bytes(path, tensor.offset, rows * (K // qk * nbytes)).reshape(rows, K // qk * nbytes)
             if arch.rope_rows_permuted and kind in heads:
                 data = unpermute_rope_rows(data, heads[kind])
             out[name] = Blocks(torch.from_numpy(np.ascontiguousarray(data)), t, K)
             continue
-        values = _dequantize(tensor, path)
+        values = dequantize_bytes(_read_bytes(path, tensor.offset, tensor.nbytes), t, tensor.dims, tensor.name, path)
         if arch.rope_rows_permuted and kind in heads:
             values = unpermute_rope_rows(values, heads[kind])
         if arch.norm_shift and kind.endswith("norm"):
@@ -322,10 +311,10 @@ def _place(model: nn.Module, tensors: dict, cfg, path: Path) -> None:
                            (mod_name,))
             if mod_name == "lm_head" and cfg.tie_word_embeddings:
                 sources = ("model.embed_tokens",)
-            _set(model, mod_name, _linear(tensors, sources, module, used, path))
+            set_module(model, mod_name, _linear(tensors, sources, module, used, path))
             placed.append(mod_name + ".")
         elif isinstance(module, nn.Embedding):
-            _set(model, mod_name, _embedding(tensors, mod_name, module, used, path))
+            set_module(model, mod_name, _embedding(tensors, mod_name, module, used, path))
             placed.append(mod_name + ".")
     rest = {k: v for k, v in tensors.items() if k not in used}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
@@ -372,6 +361,6 @@ def _embedding(tensors: dict, name: str, module: nn.Embedding, used: set, path: 
     return emb
 
 
-def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
     parent, _, leaf = dotted.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)

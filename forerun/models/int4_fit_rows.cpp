@@ -1,4 +1,7 @@
-// int4's weight grid, fitted per group of 64 inputs: w ~ d * u + m, u in 0..15, d and m float16.
+// int4's weight grids, fitted to the weights: per group of 64 inputs w ~ d * u + m, u in 0..15,
+// d and m float16 (int4_fit_groups); or as Q4_K blocks, one line per sub-block of 32 with 6-bit
+// multiples of two float16 scales per 256 inputs (int4_fit_q4k, fit_q4k below: the lines are
+// fitted as here, without the float16 rounding, then each sub-block's 6-bit pair chosen).
 //
 // The min-max grid (m = min, d = (max - min) / 15) puts two of 16 levels on the group's two
 // extremes and spaces the rest for them. A grid fitted to all 64 values is closer: on the
@@ -24,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -58,11 +62,11 @@ Eval grid(const float* x, int64_t n, float d, float m, uint8_t* u) {
   float err[LANES] = {}, su[LANES] = {}, suu[LANES] = {}, sux[LANES] = {};
   int64_t i = 0;
 #if defined(__AVX512F__)
-  if (n == GROUP) {
+  if (n % LANES == 0) {  // a whole group of 64, or a Q4_K sub-block of 32
     __m512 e2 = _mm512_setzero_ps(), s1 = e2, s2 = e2, s3 = e2;
     const __m512 vm = _mm512_set1_ps(m), vd = _mm512_set1_ps(d), vi = _mm512_set1_ps(inv);
     const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.f);
-    for (; i < GROUP; i += LANES) {
+    for (; i < n; i += LANES) {
       const __m512 xv = _mm512_loadu_ps(x + i);
       const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vi), _MM_FROUND_CUR_DIRECTION);
       const __m512 q = _mm512_min_ps(top, _mm512_max_ps(r, zero));  // (r, zero): NaN -> 0, as std::max(0.f, r)
@@ -93,7 +97,11 @@ Eval grid(const float* x, int64_t n, float d, float m, uint8_t* u) {
   return {lanes_total(err), lanes_total(su), lanes_total(suu), lanes_total(sux)};
 }
 
-void fit_group(const float* x, int64_t n, uint8_t* u_out, uint16_t* d_out, uint16_t* m_out) {
+// The best (d, m) for x[0..n), n <= 64, as above; `half`: d and m rounded to float16 at each
+// step (int4's own grids), else left as floats (a Q4_K sub-block's, whose scales are 6-bit
+// multiples of a per-256 scale, chosen after: fit_q4k).
+void fit_line(const float* x, int64_t n, bool half, float* d_out, float* m_out) {
+  const auto r = [half](double v) { return half ? h(static_cast<float>(v)) : static_cast<float>(v); };
   float lo = x[0], hi = x[0], sx_l[LANES] = {};
   for (int64_t i = 0; i < n; ++i) {
     lo = std::min(lo, x[i]);
@@ -104,7 +112,8 @@ void fit_group(const float* x, int64_t n, uint8_t* u_out, uint16_t* d_out, uint1
   uint8_t u[GROUP];
   float best_err = INFINITY, best_d = 0.f, best_m = 0.f;
   for (const float s : SHRINKS) {
-    float m = h(lo + s * (hi - lo) / 2), d = s == 0.f ? h((hi - m) / 15) : h((hi - lo) * (1 - s) / 15);
+    if (best_err == 0.f) break;
+    float m = r(lo + s * (hi - lo) / 2), d = s == 0.f ? r((hi - m) / 15) : r((hi - lo) * (1 - s) / 15);
     for (int64_t it = 0;; ++it) {
       const Eval e = grid(x, n, d, m, u);
       if (e.err < best_err) {
@@ -112,19 +121,89 @@ void fit_group(const float* x, int64_t n, uint8_t* u_out, uint16_t* d_out, uint1
         best_d = d;
         best_m = m;
       }
-      if (it == ITERS) break;
+      if (it == ITERS || best_err == 0.f) break;  // (nothing beats an exact grid: a GGUF block's own)
       const double det = double(n) * e.suu - double(e.su) * e.su;
       if (!(det > 0)) break;  // every u equal: no line to fit
       const double dd = std::max(0.0, (double(n) * e.sux - e.su * sx) / det);
-      const float d2 = h(static_cast<float>(dd)), m2 = h(static_cast<float>((sx - dd * e.su) / n));
+      const float d2 = r(dd), m2 = r((sx - dd * e.su) / n);
       if (d2 == d && m2 == m) break;  // converged: the same grid again
       d = d2;
       m = m2;
     }
   }
-  grid(x, n, best_d, best_m, u_out);
-  *d_out = c10::detail::fp16_ieee_from_fp32_value(best_d);
-  *m_out = c10::detail::fp16_ieee_from_fp32_value(best_m);
+  *d_out = best_d;
+  *m_out = best_m;
+}
+
+void fit_group(const float* x, int64_t n, uint8_t* u_out, uint16_t* d_out, uint16_t* m_out) {
+  float d, m;
+  fit_line(x, n, true, &d, &m);
+  grid(x, n, d, m, u_out);
+  *d_out = c10::detail::fp16_ieee_from_fp32_value(d);
+  *m_out = c10::detail::fp16_ieee_from_fp32_value(m);
+}
+
+
+// One Q4_K super-block of 256 values -> its 144 bytes (ggml's layout: d, dmin float16; 12 bytes
+// of 6-bit scales and mins; 128 bytes of 4-bit values), w = (d sc_j) q - (dmin mn_j) on each
+// sub-block j of 32. Each sub-block's line is fitted as above (floats, not float16), its minimum
+// held at or below 0 (mn_j >= 0); d = h(max_j s_j / 63), dmin = h(max_j mn_j / 63), as ggml's
+// own quantizer sets them; then per sub-block the 6-bit (sc, mn) pair with the least squared
+// error among the rounded ratio and its neighbours (+-1, rounded first: ties keep it) is kept.
+// A block already on a Q4_K grid (a GGUF's own, whose largest sc and mn are 63) comes back
+// byte for byte.
+void fit_q4k(const float* x, uint8_t* out) {
+  constexpr int64_t SUB = 32, NSUB = 8;
+  float s[NSUB], mn[NSUB], smax = 0.f, mmax = 0.f;
+  for (int64_t j = 0; j < NSUB; ++j) {
+    float d, m;
+    fit_line(x + SUB * j, SUB, false, &d, &m);
+    if (m > 0.f) {  // all 32 above 0: the grid must still start at or below 0
+      float hi = 0.f;
+      for (int64_t i = 0; i < SUB; ++i) hi = std::max(hi, x[SUB * j + i]);
+      d = hi / 15;
+      m = 0.f;
+    }
+    s[j] = std::isfinite(d) && d > 0.f ? d : 0.f;
+    mn[j] = std::isfinite(m) && m < 0.f ? -m : 0.f;
+    smax = std::max(smax, s[j]);
+    mmax = std::max(mmax, mn[j]);
+  }
+  const float D = h(smax / 63), Dm = h(mmax / 63);
+  uint8_t sc[NSUB], mq[NSUB], u[SUB], q[256];
+  for (int64_t j = 0; j < NSUB; ++j) {
+    const auto near = [](float v, float unit) {
+      return unit > 0.f ? static_cast<int>(std::min(63.f, std::max(0.f, std::nearbyint(v / unit)))) : 0;
+    };
+    const int s0 = near(s[j], D), m0 = near(mn[j], Dm);
+    float best = INFINITY;
+    sc[j] = static_cast<uint8_t>(s0);
+    mq[j] = static_cast<uint8_t>(m0);
+    for (const int ds : {0, -1, 1})
+      for (const int dm : {0, -1, 1}) {
+        const int a = s0 + ds, b = m0 + dm;
+        if (a < 0 || a > 63 || b < 0 || b > 63 || (ds && D == 0.f) || (dm && Dm == 0.f) || best == 0.f) continue;
+        const Eval e = grid(x + SUB * j, SUB, D * a, -(Dm * b), u);
+        if (e.err < best) {
+          best = e.err;
+          sc[j] = static_cast<uint8_t>(a);
+          mq[j] = static_cast<uint8_t>(b);
+        }
+      }
+    grid(x + SUB * j, SUB, D * sc[j], -(Dm * mq[j]), q + SUB * j);
+  }
+  const uint16_t d16 = c10::detail::fp16_ieee_from_fp32_value(D), m16 = c10::detail::fp16_ieee_from_fp32_value(Dm);
+  std::memcpy(out, &d16, 2);
+  std::memcpy(out + 2, &m16, 2);
+  uint8_t* scales = out + 4;
+  for (int64_t j = 0; j < 4; ++j) {  // ggml's get_scale_min_k4, inverted
+    scales[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    scales[j + 4] = static_cast<uint8_t>(mq[j] | ((mq[j + 4] >> 4) << 6));
+    scales[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((mq[j + 4] & 15) << 4));
+  }
+  uint8_t* qs = out + 16;
+  for (int64_t c = 0; c < 4; ++c)  // 64 values per 32 bytes: sub-block 2c low nibbles, 2c + 1 high
+    for (int64_t l = 0; l < 32; ++l) qs[32 * c + l] = static_cast<uint8_t>(q[64 * c + l] | (q[64 * c + 32 + l] << 4));
 }
 
 }  // namespace
@@ -151,6 +230,24 @@ std::vector<torch::Tensor> int4_fit_groups(torch::Tensor w_in) {
   return {u, d, m};
 }
 
+// w [M, K] float32, K a multiple of 256 -> [M, K / 256 * 144] uint8: each row's Q4_K blocks,
+// as a GGUF file stores them (fit_q4k).
+torch::Tensor int4_fit_q4k(torch::Tensor w_in) {
+  TORCH_CHECK(w_in.device().is_cpu() && w_in.dim() == 2 && w_in.scalar_type() == torch::kFloat32,
+              "int4_fit_q4k: w is not a CPU float32 [M, K]");
+  TORCH_CHECK(w_in.size(1) % 256 == 0, "int4_fit_q4k: K = ", w_in.size(1), " is not a multiple of 256");
+  const auto w = w_in.contiguous();
+  const int64_t M = w.size(0), B = w.size(1) / 256;
+  auto out = torch::empty({M, B * 144}, torch::kUInt8);
+  const float* wp = w.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, M * B, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) fit_q4k(wp + 256 * b, op + 144 * b);
+  });
+  return out;
+}
+
 void bind_int4_fit_rows(pybind11::module& m) {
+  m.def("int4_fit_q4k", &int4_fit_q4k, "int4's Q4_K blocks (ggml's layout) of a float matrix, fitted per sub-block of 32");
   m.def("int4_fit_groups", &int4_fit_groups, "int4's weight grid per group of 64, fitted by least squares");
 }

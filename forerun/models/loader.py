@@ -119,7 +119,7 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
     # gguf: every linear on the file's own blocks (models/gguf_native.py); int8 / int4 of such a
     # file: quantized from those blocks, one matrix at a time (no float32 copy, on disk or in memory)
     if dtype == "gguf" or (dtype in ("int8", "int4") and _from_blocks(folder, device)):
-        from forerun.models.gguf_native import native_source, place_native_, requantize_
+        from forerun.models.gguf_native import native_source, place_native_
 
         source = native_source(folder, device)
         model = _on_meta(folder)
@@ -152,6 +152,21 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return finish_model(model, dtype, device)
+
+
+def requantize_(model: torch.nn.Module, dtype: str) -> None:
+    """Each GGUFLinear of `model` (gguf_native) replaced by its int8 / int4 quantization, one at a
+    time: only one matrix is ever dequantized to float32 (ggml's dequantization: the values the
+    float32 model holds, so the result equals quantizing that model). The embedding keeps its blocks."""
+    from forerun.models.gguf_native import GGUFLinear, set_module
+
+    if dtype == "int8":
+        from forerun.models.quant import Int8Linear as make
+    else:
+        from forerun.models.quant4 import int4_linear as make
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GGUFLinear):
+            set_module(model, name, make(module))
 
 
 def _from_blocks(folder: Path, device) -> bool:

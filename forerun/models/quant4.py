@@ -1,24 +1,25 @@
-"""int4 linears for the CPU: 4-bit weights in groups of 64 inputs, int8 activations per group too.
+"""int4 linears for the CPU: 4.5 bits a weight, int8 activations per block.
 
 Why: a decode step streams every weight once, so on a memory-bound CPU its cost follows
-the bytes per weight. int4 here is 4.5 bits (a float16 scale and minimum per 64 weights,
-the budget of GGUF's Q4_K), against 8 for int8: the drafter and the verifier both get
-cheaper, and the drafter's cost is what decides whether speculation pays.
+the bytes per weight. int4 here is 4.5 bits against 8 for int8: the drafter and the
+verifier both get cheaper, and the drafter's cost is what decides whether speculation pays.
 
-Weights: per output row j and group g of 64 inputs, w = d * u + m with u in 0..15, d and
-m float16 and u chosen against the rounded values. d and m are fitted to the group's 64
-values by least squares from a few starting grids, the min-max one among them
-(int4_fit_rows.cpp): a quarter less KL from float32 than the min-max grid alone on the 1.5B,
-at the same bytes. A GGUF tensor's 32-wide Q4_K / Q4_1 sub-blocks each have their own
-grid, which one grid per 64 cannot follow exactly; a Q6_K or float tensor loses what 4 bits lose.
-
-Activations and kernel: int4_rows.cpp. Each token's activations are quantised to int8 with
-one scale per group of 64 inputs, the weights' groups (as llama.cpp's Q8 blocks: one scale
-per token let a few large channels flatten the rest; on the 1.5B it doubled int4's KL from
-float32, 0.059 against 0.035), and computed by the same instruction sequence for any number of tokens, so
-one kernel serves every size and int4 speculative decoding reproduces int4 plain decoding
-bit for bit (tests/test_int4.py). There is no fallback: without the compiled kernel,
-int4 is refused at load time with the reason.
+Two forms, the same 4.5 bits:
+- A linear whose inputs are whole blocks of 256 becomes GGUF Q4_K blocks (int4_linear): per
+  sub-block of 32 inputs a grid w = (d sc) u - (dmin mn), u in 0..15, sc and mn 6-bit, d and
+  dmin float16 per 256, fitted to the weights (int4_fit_rows.cpp: each sub-block's
+  least-squares line, then the 6-bit pair with the least error), and computed by the gguf
+  kernels (gguf_native.GGUFLinear: activations int8 per 256, one instruction sequence for
+  any number of tokens). On the Qwen2.5-Coder-1.5B: KL from float32 0.011, perplexity +1.16%,
+  against 0.025 / +2.92% for groups of 64 (`forerun quality`, README).
+- Any other (Qwen2.5-0.5B's 896-wide inputs) keeps int4's groups of 64 (Int4Linear): per
+  output row and group w = d u + m, d and m float16, fitted the same way from a few starting
+  grids, the min-max one among them; activations int8 with one scale per group of 64 (as
+  llama.cpp's Q8 blocks: one scale per token let a few large channels flatten the rest);
+  kernel int4_rows.cpp, one instruction sequence for any number of tokens.
+Either way int4 speculative decoding reproduces int4 plain decoding bit for bit
+(tests/test_int4.py). There is no fallback: without the compiled kernels, int4 is refused at
+load time with the reason.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch import nn
 from forerun.models import int8_kernel
 
 GROUP = 64  # inputs per scale / minimum
+Q4K_WIDTH = 256  # inputs per Q4_K block: a linear with whole blocks of them takes that form
 
 
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,6 +143,24 @@ class Int4Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, 4-bit weights in groups of {GROUP}, forerun kernel"
 
 
+def int4_linear(linear: nn.Module) -> nn.Module:
+    """A float linear's int4 form: where its inputs are whole blocks of 256, GGUF Q4_K blocks
+    fitted to its weights (int4_fit_q4k: the same 4.5 bits as a group of 64, but a grid per 32
+    inputs with 6-bit scales), computed by the gguf kernels (GGUFLinear); else Int4Linear's
+    groups of 64."""
+    if linear.in_features % Q4K_WIDTH:
+        return Int4Linear(linear)
+    from forerun.models.gguf_native import Q4_K, Blocks, GGUFLinear
+
+    kernel = int8_kernel.load()
+    if kernel is None or not hasattr(kernel, "int4_fit_q4k"):
+        raise RuntimeError("int4 needs forerun's compiled kernels, which could not be built here "
+                           "(see the warning above); use int8 or float32")
+    blocks = kernel.int4_fit_q4k(linear.weight.detach().float().contiguous())
+    bias = None if linear.bias is None else linear.bias.detach()
+    return GGUFLinear([Blocks(blocks, Q4_K, linear.in_features)], bias)
+
+
 def to_int4_(model: nn.Module) -> nn.Module:
     """The int4 model: every linear (the LM head included) 4-bit, then the model's own kernel
     wiring where it has one (norms folded into the linears they feed, per-query attention)."""
@@ -156,9 +176,9 @@ def _swap(module: nn.Module) -> None:
 
     for name, child in module.named_children():
         if isinstance(child, (nn.Linear, F32RowsLinear)):
-            setattr(module, name, Int4Linear(child))
+            setattr(module, name, int4_linear(child))
         elif isinstance(child, Int8Linear):  # an int4 copy of an int8 model: from its dequantised weights
-            setattr(module, name, Int4Linear(_as_linear(child)))
+            setattr(module, name, int4_linear(_as_linear(child)))
             if child.pre_norm is not None:  # (the layer's own norm call is gone: keep it here)
                 getattr(module, name).absorb_norm(child.pre_norm)
         else:
