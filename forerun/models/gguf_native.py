@@ -117,34 +117,29 @@ class GGUFLinear(nn.Module):
         self._bind()
 
     def _bind(self):
+        """The kernel call (gguf_packed_rows or gguf_rows, the absorbed RMSNorm first), its
+        arguments bound once in C++ (KernelLinear): what forward and a decoder layer's one C++
+        call (layer_rows.cpp) both run."""
         kernel, bias = _kernel(), self.bias.data if self.bias is not None else torch.empty(0)
-        datas, types = [p.data for p in self.parts], [p.type for p in self.parts]
-        if self.packed:
-            self._rows = kernel.gguf_packed_rows
-            self._args = (datas, types, [p.rows for p in self.parts], bias)
-        else:
-            self._rows = kernel.gguf_rows
-            self._args = (datas, types, bias)
         norm = self.pre_norm
         norm_w, eps = (norm.weight.data, float(norm.eps)) if norm is not None else (torch.empty(0), 0.0)
-        # the same call bound in C++ (the absorbed RMSNorm first), for a whole decoder layer in one call (layer_rows.cpp)
-        make = getattr(getattr(kernel, "KernelLinear", None), "gguf", None)
-        self.kernel_linear = None if make is None else make(self.packed, datas, types, [p.rows for p in self.parts],
-                                                            bias, norm_w, eps)
+        self.kernel_linear = kernel.KernelLinear.gguf(self.packed, [p.data for p in self.parts],
+                                                      [p.type for p in self.parts], [p.rows for p in self.parts],
+                                                      bias, norm_w, eps)
 
     def absorb_norm(self, norm: nn.Module) -> bool:
         """Compute linear(norm(x)) from here on, the RMSNorm run by the kernels' rms_norm_rows
         just before this linear's kernel, both inside the one bound call (kernel_linear) that
         forward and the layer's C++ call use: the caller drops its own call to `norm`. False
         (nothing changed) for a norm other than a float32 RMSNorm (Gemma's keep theirs)."""
-        if type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32 or self.kernel_linear is None:
+        if type(norm).__name__ != "RMSNorm" or norm.weight.dtype != torch.float32:
             return False
         self.pre_norm = norm
         self._bind()
         return True
 
-    def __getstate__(self):  # deepcopy / pickle: drop the compiled function...
-        return {**self.__dict__, "_rows": None, "_args": None, "kernel_linear": None}
+    def __getstate__(self):  # deepcopy / pickle: drop the compiled call...
+        return {**self.__dict__, "kernel_linear": None}
 
     def __setstate__(self, state):  # ...and find it again
         super().__setstate__(state)
@@ -153,7 +148,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x if dtype == torch.float32 else x.float()
-        y = self.kernel_linear(x) if self.pre_norm is not None else self._rows(x, *self._args)
+        y = self.kernel_linear(x)
         return y if dtype == torch.float32 else y.to(dtype)
 
     def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
