@@ -157,13 +157,14 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
 def requantize_(model: torch.nn.Module, dtype: str) -> None:
     """Each GGUFLinear of `model` (gguf_native) replaced by its int8 / int4 quantization, one at a
     time: only one matrix is ever dequantized to float32 (ggml's dequantization: the values the
-    float32 model holds, so the result equals quantizing that model). The embedding keeps its blocks."""
+    float32 model holds, so int8 equals quantizing that model). int4 keeps the file's Q4_K blocks
+    as they are (quant4.int4_of_blocks). The embedding keeps its blocks."""
     from forerun.models.gguf_native import GGUFLinear, set_module
 
     if dtype == "int8":
         from forerun.models.quant import Int8Linear as make
     else:
-        from forerun.models.quant4 import int4_linear as make
+        from forerun.models.quant4 import int4_of_blocks as make
     for name, module in list(model.named_modules()):
         if isinstance(module, GGUFLinear):
             set_module(model, name, make(module))

@@ -10,8 +10,10 @@ Two forms, the same 4.5 bits:
   dmin float16 per 256, fitted to the weights (int4_fit_rows.cpp: each sub-block's
   least-squares line, then the 6-bit pair with the least error), and computed by the gguf
   kernels (gguf_native.GGUFLinear: activations int8 per 256, one instruction sequence for
-  any number of tokens). On the Qwen2.5-Coder-1.5B: KL from float32 0.011, perplexity +1.16%,
-  against 0.025 / +2.92% for groups of 64 (`forerun quality`, README).
+  any number of tokens). From a quantized GGUF (int4_of_blocks) the file's own Q4_K matrices
+  are kept byte for byte: only its other types (Q6_K, Q5_0, Q8_0 ...) are fitted. On the
+  Qwen2.5-Coder-1.5B Q4_K_M: KL from float32 0.0084, perplexity +1.00% (every matrix fitted:
+  0.011 / +1.16%; groups of 64: 0.025 / +2.92%; `forerun quality`, README).
 - Any other (Qwen2.5-0.5B's 896-wide inputs) keeps int4's groups of 64 (Int4Linear): per
   output row and group w = d u + m, d and m float16, fitted the same way from a few starting
   grids, the min-max one among them; activations int8 with one scale per group of 64 (as
@@ -159,6 +161,22 @@ def int4_linear(linear: nn.Module) -> nn.Module:
     blocks = kernel.int4_fit_q4k(linear.weight.detach().float().contiguous())
     bias = None if linear.bias is None else linear.bias.detach()
     return GGUFLinear([Blocks(blocks, Q4_K, linear.in_features)], bias)
+
+
+def int4_of_blocks(linear: nn.Module) -> nn.Module:
+    """int4 of a GGUFLinear (a quantized GGUF's matrix): its Q4_K parts kept as the file stores
+    them (already int4's form: never re-quantized), any other part fitted to Q4_K blocks from
+    its dequantized values; a linear whose inputs are not whole blocks of 256 as int4_linear."""
+    from forerun.models.gguf_native import Q4_K, Blocks, GGUFLinear
+
+    if linear.in_features % Q4K_WIDTH:
+        return int4_linear(linear)
+    if all(p.type == Q4_K for p in linear.parts):
+        return linear
+    kernel = int8_kernel.load()
+    parts = [p if p.type == Q4_K else Blocks(kernel.int4_fit_q4k(p.dequantize()), Q4_K, p.in_features)
+             for p in linear.parts]
+    return GGUFLinear(parts, None if linear.bias is None else linear.bias.detach())
 
 
 def to_int4_(model: nn.Module) -> nn.Module:
