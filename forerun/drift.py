@@ -74,9 +74,10 @@ def perturb_(model: torch.nn.Module, sigma: float, seed: int = 0) -> torch.nn.Mo
     g = torch.Generator().manual_seed(seed)
     touched = 0
     named = list(model.named_parameters()) + list(model.named_buffers())
-    int4 = any(hasattr(m, "u4_rows") for m in model.modules())  # (its 4-bit weights are packed, not buffers)
-    if int4 or any(t.dtype in (torch.int8, torch.uint8) for _, t in named):
-        raise ValueError("an int8/int4 model's weights cannot be perturbed: perturb a float model, "
+    # int4's groups of 64 and GGUF blocks (gguf, int4's Q4_K form) are held packed, not as buffers
+    packed = any(hasattr(m, "u4_rows") or type(m).__name__ in ("GGUFLinear", "GGUFEmbedding") for m in model.modules())
+    if packed or any(t.dtype in (torch.int8, torch.uint8) for _, t in named):
+        raise ValueError("an int8/int4/gguf model's weights cannot be perturbed: perturb a float model, "
                          "or compare precisions (--new-dtype)")
     for name, t in named:
         if name.endswith(("weight", "weight_packed")) and t.is_floating_point() and t.dim() >= 2:

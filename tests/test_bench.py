@@ -143,6 +143,8 @@ def test_perturb_refuses_integer_weights():
     if int8_kernel.load() is not None:  # an int4 model holds its weights packed, in no uint8 buffer
         with pytest.raises(ValueError, match="int4"):
             perturb_(tiny_model(seed=0, dtype="int4"), 0.1)
+        with pytest.raises(ValueError, match="int4"):  # widths of 256: its Q4_K form (GGUF blocks)
+            perturb_(tiny_model(seed=0, dtype="int4", hidden_size=256, intermediate_size=512), 0.1)
 
 
 def test_cli_grid_options_and_advise(tmp_path, capsys):

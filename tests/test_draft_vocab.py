@@ -116,3 +116,16 @@ def test_a_named_draft_model_gets_the_measured_defaults():
     assert kept == {"draft_vocab": 0, "draft_lookup": 0}
     verifier = LLM(tiny_model(seed=0, dtype="float32"), dtype="float32")
     assert draft_model.named_draft_dtype(verifier) == ("int4" if int8_kernel.load() is not None else "float32")
+
+
+def test_an_int4_q4k_head_keeps_its_kept_rows_blocks():
+    """int4's Q4_K form (a head 256 wide): the reduced head takes its rows' blocks as they are,
+    never re-fitted from their values (a re-fit does not always find the same blocks)."""
+    from forerun.models import int8_kernel
+
+    if int8_kernel.load() is None:
+        pytest.skip("int4 needs the compiled kernels")
+    llm = LLM(tiny_model(seed=0, dtype="int4", vocab_size=64, hidden_size=256, intermediate_size=512), dtype="int4")
+    sub = reduced_head(SpeculativeConfig("draft_model", 4, options={"draft_vocab": 12}), llm, 64).head.head
+    assert [p.type for p in sub.parts] == [12]
+    assert torch.equal(sub.weight, llm.model.lm_head.float_rows(torch.arange(12)))

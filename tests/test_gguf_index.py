@@ -67,3 +67,31 @@ def test_an_unreadable_index_is_rebuilt_and_a_bad_file_still_refused(tmp_path, m
     bad.write_bytes(b"GGUF" + b"\0" * 20)
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         gguf_index.gguf_index(bad)
+
+
+def test_a_rewrite_keeping_size_and_time_is_caught_by_the_header_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, seed=2)
+    gguf_index.gguf_index(path)
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    at = data.index("Ġthe".encode())
+    data[at + 3] = ord("x")  # a token's text in the metadata: same size, another header
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    gguf_index._MEMO.clear()
+    opened = count_parses(monkeypatch)
+    gguf_index.gguf_index(path)
+    assert len(opened) == 1  # the cached index was refused, the file read again
+    gguf_index._MEMO.clear()
+    gguf_index.gguf_index(path)
+    assert len(opened) == 1  # and the new one cached
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path):
+    from forerun.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="not found"):
+        gguf_index.gguf_index(tmp_path / "absent.gguf")

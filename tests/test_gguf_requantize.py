@@ -1,7 +1,8 @@
 """int8 / int4 of a quantized GGUF file are quantized straight from its blocks, one matrix at a
-time (models/loader.py: requantize_), never from a float32 copy of the whole model:
-the same model, bit for bit, as quantizing that copy, without writing it to the cache or
-holding it in memory (the 0.5B's int4 load: 5.6 -> under 3 GB resident)."""
+time (models/loader.py: requantize_), never from a float32 copy of the whole model, which is
+neither written to the cache nor held in memory (the 0.5B's int4 load: 5.6 -> under 3 GB
+resident): int8 the same model, bit for bit, as quantizing that copy; int4 the file's own Q4_K
+blocks kept and every other matrix as int4 of that copy fits it."""
 import pytest
 import torch
 

@@ -186,7 +186,11 @@ def test_int4_takes_the_q4k_form_for_whole_blocks_of_256_only():
     x = torch.randn(3, 512)
     assert torch.equal(q.weight, q4k_values(int8_kernel.load().int4_fit_q4k(wide.weight.detach()), 512))
     assert torch.equal(q.bias, wide.bias.detach())
-    assert (q(x) - torch.nn.functional.linear(x, wide.weight)).abs().max() < 0.1
+    blocks = x.double().view(3, 2, 256)  # the gguf kernels' activations: int8, one scale per 256
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = ((blocks / scale).round().clamp(-127, 127) * scale).view(3, 512)
+    ref = torch.nn.functional.linear(xq, q.weight.double(), q.bias.double())
+    assert (q(x).double() - ref).abs().max() < 1e-5 * ref.abs().max()
     with pytest.raises(RuntimeError, match="multiple of 256"):
         int8_kernel.load().int4_fit_q4k(narrow.weight.detach())
 
@@ -214,8 +218,9 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 3
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 
-@pytest.fixture(scope="module", params=[(0, 64, 128), (1, 64, 128), (2, 256, 512)], ids=["groups", "groups2", "q4k"])
-def verifier(request):  # widths of 256: the Q4_K form, on the gguf kernels
+@pytest.fixture(scope="module", params=[(0, 64, 128), (1, 64, 128), (2, 256, 512), (3, 64, 256)],
+                ids=["groups", "groups2", "q4k", "mixed"])
+def verifier(request):  # widths of 256: the Q4_K form, on the gguf kernels; "mixed": only down_proj (256 inputs)
     seed, hidden, ffn = request.param
     return LLM(tiny_model(seed=seed, dtype="int4", hidden_size=hidden, intermediate_size=ffn), dtype="int4")
 
@@ -227,9 +232,12 @@ def plain(verifier):
 
 def test_the_int4_model_uses_the_kernels(verifier):
     layer = verifier.model.model.layers[0]
-    form = GGUFLinear if verifier.model.config.hidden_size % 256 == 0 else Int4Linear
+    cfg = verifier.model.config
+    form = GGUFLinear if cfg.hidden_size % 256 == 0 else Int4Linear
     assert isinstance(layer.self_attn.qkv_proj, form) and isinstance(verifier.model.lm_head, form)
+    assert isinstance(layer.mlp.down_proj, GGUFLinear if cfg.intermediate_size % 256 == 0 else Int4Linear)
     assert layer.self_attn.prefix_attention is not None and layer.self_attn.qkv_proj.pre_norm is not None
+    assert layer.fused_block is not None  # the layer in one C++ call, whichever forms its linears take
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "quantized"])

@@ -58,8 +58,8 @@ class ReducedHead(nn.Module):
 
     def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int, dtype: str):
         super().__init__()
-        if dtype == "gguf" and hasattr(head, "select_rows"):  # the kept rows' own blocks, as the file stores them
-            self.head = head.select_rows(ids)
+        if hasattr(head, "select_rows") and (dtype == "gguf" or (dtype == "int4" and [p.type for p in head.parts] == [12])):
+            self.head = head.select_rows(ids)  # the kept rows' own blocks (a file's, or int4's Q4_K: never re-fitted)
         else:
             rows = float_rows(head, ids)  # [n, hidden]
             sub = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")

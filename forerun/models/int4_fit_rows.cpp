@@ -150,15 +150,16 @@ void fit_group(const float* x, int64_t n, uint8_t* u_out, uint16_t* d_out, uint1
 // held at or below 0 (mn_j >= 0); d = h(max_j s_j / 63), dmin = h(max_j mn_j / 63), as ggml's
 // own quantizer sets them; then per sub-block the 6-bit (sc, mn) pair with the least squared
 // error among the rounded ratio and its neighbours (+-1, rounded first: ties keep it) is kept.
-// A block already on a Q4_K grid (a GGUF's own, whose largest sc and mn are 63) comes back
-// byte for byte.
+// A block already on a Q4_K grid comes back byte for byte when each sub-block's min-max line is
+// its own (it uses levels 0 and 15) and its largest sc and mn are 63 (as ggml writes them); a
+// GGUF's blocks often leave a level unused, so int4 of a GGUF keeps them instead (quant4.py).
 void fit_q4k(const float* x, uint8_t* out) {
   constexpr int64_t SUB = 32, NSUB = 8;
   float s[NSUB], mn[NSUB], smax = 0.f, mmax = 0.f;
   for (int64_t j = 0; j < NSUB; ++j) {
     float d, m;
     fit_line(x + SUB * j, SUB, false, &d, &m);
-    if (m > 0.f) {  // all 32 above 0: the grid must still start at or below 0
+    if (m > 0.f) {  // the fitted line starts above 0 (e.g. all 32 values positive): restart it at 0
       float hi = 0.f;
       for (int64_t i = 0; i < SUB; ++i) hi = std::max(hi, x[SUB * j + i]);
       d = hi / 15;
@@ -169,7 +170,7 @@ void fit_q4k(const float* x, uint8_t* out) {
     smax = std::max(smax, s[j]);
     mmax = std::max(mmax, mn[j]);
   }
-  const float D = h(smax / 63), Dm = h(mmax / 63);
+  const float D = h(std::min(smax / 63, 65504.f)), Dm = h(std::min(mmax / 63, 65504.f));  // (float16's largest)
   uint8_t sc[NSUB], mq[NSUB], u[SUB], q[256];
   for (int64_t j = 0; j < NSUB; ++j) {
     const auto near = [](float v, float unit) {
