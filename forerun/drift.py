@@ -74,8 +74,10 @@ def perturb_(model: torch.nn.Module, sigma: float, seed: int = 0) -> torch.nn.Mo
     g = torch.Generator().manual_seed(seed)
     touched = 0
     named = list(model.named_parameters()) + list(model.named_buffers())
+    from forerun.models.gguf_native import GGUFEmbedding, GGUFLinear
+
     # int4's groups of 64 and GGUF blocks (gguf, int4's Q4_K form) are held packed, not as buffers
-    packed = any(hasattr(m, "u4_rows") or type(m).__name__ in ("GGUFLinear", "GGUFEmbedding") for m in model.modules())
+    packed = any(hasattr(m, "u4_rows") or isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules())
     if packed or any(t.dtype in (torch.int8, torch.uint8) for _, t in named):
         raise ValueError("an int8/int4/gguf model's weights cannot be perturbed: perturb a float model, "
                          "or compare precisions (--new-dtype)")

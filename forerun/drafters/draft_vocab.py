@@ -58,8 +58,13 @@ class ReducedHead(nn.Module):
 
     def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int, dtype: str):
         super().__init__()
-        if hasattr(head, "select_rows") and (dtype == "gguf" or (dtype == "int4" and [p.type for p in head.parts] == [12])):
-            self.head = head.select_rows(ids)  # the kept rows' own blocks (a file's, or int4's Q4_K: never re-fitted)
+        if hasattr(head, "select_rows") and dtype in ("gguf", "int4"):  # GGUF blocks: the kept rows' own
+            sub = head.select_rows(ids)
+            if dtype == "int4":  # int4 of blocks: Q4_K kept as they are, any other type fitted from its values
+                from forerun.models.quant4 import int4_of_blocks
+
+                sub = int4_of_blocks(sub)
+            self.head = sub
         else:
             rows = float_rows(head, ids)  # [n, hidden]
             sub = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")

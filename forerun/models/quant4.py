@@ -34,16 +34,21 @@ GROUP = 64  # inputs per scale / minimum
 Q4K_WIDTH = 256  # inputs per Q4_K block: a linear with whole blocks of them takes that form
 
 
+def _kernels():
+    """forerun's compiled kernels (fits and int4_rows), or the refusal: int4 has no fallback."""
+    kernel = int8_kernel.load()
+    if kernel is None or not hasattr(kernel, "int4_fit_q4k"):
+        raise RuntimeError("int4 needs forerun's compiled kernels, which could not be built here "
+                           "(see the warning above); use int8 or float32")
+    return kernel
+
+
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[M, K] float -> u [M, Kp] uint8 in 0..15, d and m [M, Kp/64] float16 (K padded with
     zero weights up to Kp, a multiple of 64: u = 0 there, never fitted). Each group's grid is
     fitted to its values by least squares, never worse than the min-max grid and equal to it
     on weights already on such a grid (int4_fit_rows.cpp)."""
-    kernel = int8_kernel.load()
-    if kernel is None or not hasattr(kernel, "int4_fit_groups"):
-        raise RuntimeError("int4 needs forerun's compiled kernels, which could not be built here "
-                           "(see the warning above); use int8 or float32")
-    u, d, m = kernel.int4_fit_groups(w.detach().float().contiguous())
+    u, d, m = _kernels().int4_fit_groups(w.detach().float().contiguous())
     return u, d, m
 
 
@@ -96,11 +101,7 @@ class Int4Linear(nn.Module):
         self._build()
 
     def _build(self):
-        kernel = int8_kernel.load()
-        if kernel is None:
-            raise RuntimeError("int4 needs forerun's compiled kernel, which could not be built here "
-                               "(see the warning above); use int8 or float32")
-        self._kernel = kernel
+        self._kernel = _kernels()
         self._bind()
 
     def u4_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,11 +155,7 @@ def int4_linear(linear: nn.Module) -> nn.Module:
         return Int4Linear(linear)
     from forerun.models.gguf_native import Q4_K, Blocks, GGUFLinear
 
-    kernel = int8_kernel.load()
-    if kernel is None or not hasattr(kernel, "int4_fit_q4k"):
-        raise RuntimeError("int4 needs forerun's compiled kernels, which could not be built here "
-                           "(see the warning above); use int8 or float32")
-    blocks = kernel.int4_fit_q4k(linear.weight.detach().float().contiguous())
+    blocks = _kernels().int4_fit_q4k(linear.weight.detach().float().contiguous())
     bias = None if linear.bias is None else linear.bias.detach()
     return GGUFLinear([Blocks(blocks, Q4_K, linear.in_features)], bias)
 
@@ -173,7 +170,7 @@ def int4_of_blocks(linear: nn.Module) -> nn.Module:
         return int4_linear(linear)
     if all(p.type == Q4_K for p in linear.parts):
         return linear
-    kernel = int8_kernel.load()
+    kernel = _kernels()
     parts = [p if p.type == Q4_K else Blocks(kernel.int4_fit_q4k(p.dequantize()), Q4_K, p.in_features)
              for p in linear.parts]
     return GGUFLinear(parts, None if linear.bias is None else linear.bias.detach())
