@@ -159,8 +159,10 @@ def test_a_part_with_a_bad_shape_is_refused():
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q8_0, "ffn_gate": T.Q4_0,
          "ffn_up": T.Q5_1, "ffn_down": T.Q4_1}
-# The last layer's MLP input in the two packed types: its fused gate/up runs on the packed
-# kernel (gguf_packed_rows.cpp) where the build has AVX512-VNNI, as a real Q4_K_M file's do.
+# The last layer's MLP input in the two packed K types: its fused gate/up runs on the packed
+# kernel (gguf_packed_rows.cpp) where the build has AVX512-VNNI, as a real Q4_K_M file's do;
+# the other layers' gate/up (Q4_0 + Q5_1), attn_output (Q8_0) and ffn_down (Q4_1) on its legacy
+# tiles; the q/k/v, with a Q5_K part, on the row kernel (gguf_rows.cpp).
 LAST_LAYER = {**TYPES, "ffn_gate": T.Q4_K, "ffn_up": T.Q6_K}
 
 
@@ -252,7 +254,11 @@ def test_the_model_keeps_the_files_blocks(verifier):
     assert isinstance(qkv, GGUFLinear) and [p.type for p in qkv.parts] == [T.Q4_K, T.Q5_K, T.Q6_K]
     gate_up = model.model.layers[-1].mlp.gate_up_proj
     assert [p.type for p in gate_up.parts] == [T.Q4_K, T.Q6_K] and not qkv.packed
-    assert gate_up.packed == model.lm_head.packed == bool(int8_kernel.load().gguf_packed_vnni())
+    vnni = bool(int8_kernel.load().gguf_packed_vnni())
+    assert gate_up.packed == model.lm_head.packed == vnni
+    legacy = model.model.layers[0].mlp
+    assert [p.type for p in legacy.gate_up_proj.parts] == [T.Q4_0, T.Q5_1] and legacy.gate_up_proj.packed == vnni
+    assert legacy.down_proj.parts[0].type == T.Q4_1 and legacy.down_proj.packed == vnni
     assert isinstance(model.model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
     assert not any(verifier.source.glob("*.safetensors"))  # no float32 copy was written for it
 

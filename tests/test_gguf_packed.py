@@ -1,4 +1,5 @@
-"""The packed GGUF kernel (gguf_packed_rows.cpp): Q4_K and Q6_K rows rearranged 16 at a time.
+"""The packed GGUF kernel (gguf_packed_rows.cpp): rows of Q4_K, Q6_K and the legacy 32-value
+types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) rearranged 16 at a time.
 
 Packing keeps the file's bits (dequantizing the packed form is ggml's reference, bit for bit,
 also for row counts that leave a tile part empty, and for rows picked out of it), the kernel
@@ -20,7 +21,7 @@ from gguf import quants  # noqa: E402
 from forerun.models.gguf_native import GGUFLinear, packs  # noqa: E402
 from tests.test_gguf_native import blocks, reference  # noqa: E402
 
-PACKED = [T.Q4_K, T.Q6_K]
+PACKED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
 
 
 @pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
@@ -57,10 +58,13 @@ def test_the_packed_kernel_computes_the_documented_function(t):
 
 
 def test_packed_rows_get_the_same_bits_alone_and_in_any_batch():
-    """Token tiles of 1 to 4 (and more tokens than a tile): a token's bits never depend on
-    its batch-mates; a fused linear of both types gives each part its own output rows."""
+    """Token tiles of 1 to 8 (and more tokens than a tile): a token's bits never depend on
+    its batch-mates; a fused linear of every packed type (activations per 256 and per 32 side
+    by side) gives each part its own output rows."""
     torch.manual_seed(0)
-    parts = [blocks(T.Q4_K, 40, 512, 1), blocks(T.Q6_K, 24, 512, 2), blocks(T.Q4_K, 3, 512, 3)]
+    parts = [blocks(T.Q4_K, 40, 512, 1), blocks(T.Q6_K, 24, 512, 2), blocks(T.Q4_K, 3, 512, 3),
+             blocks(T.Q5_0, 17, 512, 4), blocks(T.Q8_0, 16, 512, 5), blocks(T.Q4_1, 5, 512, 6),
+             blocks(T.Q5_1, 9, 512, 7), blocks(T.Q4_0, 2, 512, 8)]
     x = torch.randn(21, 512)
     together = packed_rows(x, parts)
     for i in range(21):
@@ -87,7 +91,7 @@ def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function():
     head = GGUFLinear([parts[0]])
     sub = head.select_rows(torch.tensor([3, 7]))
     assert torch.equal(sub(x), head(x)[:, [3, 7]])
-    assert not GGUFLinear([parts[0], blocks(T.Q8_0, 8, 256, 6)]).packed  # a legacy part: the row kernel
+    assert not GGUFLinear([parts[0], blocks(T.Q5_K, 8, 256, 6)]).packed  # a Q5_K part: the row kernel
 
 
 def test_bad_packed_input_is_refused():

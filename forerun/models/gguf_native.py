@@ -10,9 +10,9 @@ llama.cpp does: the model llama.cpp runs, at its fidelity.
 
 Weights are read once from the mapped file into memory (rows of a llama q/k projection put
 back in Hugging Face's RoPE order: a reordering of whole rows, the bytes unchanged). Where the
-kernels have AVX512-VNNI, a linear whose parts are all Q4_K / Q6_K (the bulk of a Q4_K_M file)
-has its rows rearranged 16 per tile (gguf_packed_rows.cpp: the same bits, 16 outputs per VNNI
-instruction); other linears, and every linear elsewhere, read the file's row-major blocks
+kernels have AVX512-VNNI, a linear whose parts are all of the packed types (every native type
+but Q5_K) has its rows rearranged 16 per tile (gguf_packed_rows.cpp: the same bits, 16 outputs
+per VNNI instruction); other linears, and every linear elsewhere, read the file's row-major blocks
 (gguf_rows.cpp). FORERUN_GGUF_ROWS=1 forces the row kernel. The
 embedding table is read from its blocks too, one looked-up row at a time. Tensors of other
 types (float norms and biases, a float or unsupported-type matrix) are dequantized to
@@ -40,9 +40,11 @@ NATIVE_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
 
 
 # Types the packed kernel (gguf_packed_rows.cpp) rearranges 16 rows at a time: the bulk of a
-# Q4_K_M file (Q4_K, and the Q6_K of its attn_v, ffn_down and output head).
+# Q4_K_M file (Q4_K, and the Q6_K of its attn_v, ffn_down and output head), and the legacy
+# 32-value types a file falls back to where a matrix's inputs are not whole blocks of 256
+# (Qwen2.5-0.5B's 896: Q5_0 / Q8_0; SmolLM2's 576: Q4_1). Q5_K is on the row kernel only.
 Q4_K, Q6_K = 12, 14
-PACKED_TYPES = {Q4_K, Q6_K}
+PACKED_TYPES = {2, 3, 6, 7, 8, Q4_K, Q6_K}
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Blocks:
     """One quantized matrix as the file stores it: data [rows, bytes per row] uint8, the
     blocks of each output row in input order; type a ggml type id in NATIVE_TYPES. Packed
     (`packed_rows` > 0): the same bytes rearranged 16 rows per tile, data [ceil(rows / 16),
-    K / 256 * tile-block bytes] (gguf_packed_rows.cpp), for the VNNI kernel."""
+    K / qk * tile-block bytes] (gguf_packed_rows.cpp), for the VNNI kernel."""
 
     data: torch.Tensor  # [rows, K / qk * bytes] uint8, or packed [ceil(rows / 16), ...]
     type: int
@@ -84,12 +86,12 @@ class Blocks:
 
 
 def packs(parts: list[Blocks]) -> bool:
-    """Whether a linear of these parts runs on the packed kernel: all of a packed type, K
-    whole blocks of 256, and a kernel compiled with AVX512-VNNI (elsewhere the row kernel is
-    faster than the packed one's plain C++)."""
+    """Whether a linear of these parts runs on the packed kernel: all of a packed type and a
+    kernel compiled with AVX512-VNNI (elsewhere the row kernel is faster than the packed one's
+    plain C++)."""
     kernel = _kernel()
     return (hasattr(kernel, "gguf_packed_vnni") and kernel.gguf_packed_vnni() and not os.environ.get("FORERUN_GGUF_ROWS")
-            and all(p.type in PACKED_TYPES and p.in_features % 256 == 0 for p in parts))
+            and all(p.type in PACKED_TYPES for p in parts))
 
 
 def _kernel():

@@ -1,4 +1,4 @@
-// GGUF K-quant blocks rearranged 16 rows at a time so that a vector holds 16 outputs: the
+// GGUF blocks (Q4_K, Q6_K and the legacy 32-value types) rearranged 16 rows at a time so that a vector holds 16 outputs: the
 // same bits as the file (a permutation of its bytes, reversible), computed with one VNNI
 // instruction per 16 outputs x 4 inputs, as int4_rows.cpp does for forerun's own int4.
 //
@@ -15,12 +15,23 @@
 //            of values 16s + j, 16s + 4 + j, 16s + 8 + j, 16s + 12 + j of row l, lowest
 //            first), sc int8 [16][16], d f16 [16]
 //            2048 + 1024 + 256 + 32 = 3360 bytes = 16 x 210 (the file's size)
+// and per block of 32 inputs for the legacy types (the same sizes as the file's):
+//   values   Q4_0 / Q4_1 / Q5_0 / Q5_1: 4 vectors as above (value 8v + j low, 8v + 4 + j high);
+//            Q8_0: 8 vectors, byte 4*l + j of vector v is value 4v + j of row l (signed)
+//   hi       Q5_0 / Q5_1: 64 bytes, byte 4*l + j holds the fifth bits of values j, 4 + j, ...,
+//            28 + j of row l, lowest first
+//   d f16 [16], and m f16 [16] for Q4_1 / Q5_1
+//            Q4_0 288 = 16 x 18, Q4_1 320 = 16 x 20, Q5_0 352 = 16 x 22, Q5_1 384 = 16 x 24,
+//            Q8_0 544 = 16 x 34 bytes
 // Numerics, per row, token and block, with qa / da / bsum the activations as gguf_rows.cpp
 // quantizes them (int8 per 256 values, scale da, sums per 16):
 //   Q4_K  I = sum_s sc_s * (sum_{i in s} q_i qa_i),  Mn = sum_s mn_s * bsum32_s    (int32, exact)
 //         acc = fma(float(I), d * da, acc);  acc = fma(-float(Mn), dmin * da, acc)
 //   Q6_K  I = sum_s sc_s * (sum_{i in s} q_i qa_i - 32 * bsum_s)                  (int32, exact)
 //         acc = fma(float(I), d * da, acc)
+//   legacy, activations int8 per 32 values (scale da, sum S): I = sum_i q_i qa_i - off * S
+//         (off 8 for Q4_0, 16 for Q5_0, else 0; Q8_0's q signed; int32, exact)
+//         acc = fma(float(I), d * da, acc);  Q4_1 / Q5_1: acc = fma(float(S), m * da, acc)
 // blocks in order, then y = acc (+ bias). The AVX512-VNNI path and the scalar one run these
 // operations in this order, so they give the same bits; every token gets its own accumulator
 // whatever its batch-mates (batch invariance, as in gguf_rows.cpp).
@@ -44,7 +55,7 @@ float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc,
 
 namespace {
 
-constexpr int64_t Q4_K = 12, Q6_K = 14, LANES = 16, QK = 256;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14, LANES = 16, QK = 256;
 constexpr int64_t MAX_TB = 8;  // tokens per pass over a tile's weights (8 vs 4: 8 tokens 23.3 -> 21.4 ms below)
 // Ask for the weights 20 KB ahead into L2, as int4_rows.cpp does: 26 Q4_K / Q6_K matrices of the
 // 1.5B's MLP shapes (0.37 GB, more than the caches), median of 5 interleaved rounds, this 2-core
@@ -53,21 +64,44 @@ constexpr int64_t MAX_TB = 8;  // tokens per pass over a tile's weights (8 vs 4:
 constexpr int64_t PREFETCH_BYTES = 20480;
 
 struct Packed {
-  int64_t src_bytes, bytes;  // per row-block in the file; per 16-row tile-block here
-  int64_t sc, mn, hi, d, dmin;  // offsets of the fields (-1: absent)
+  int64_t qk, src_bytes, bytes;  // values per block; bytes per row-block in the file, per 16-row tile-block here
+  int64_t sc, mn, hi, d, dmin;   // offsets of the fields (-1: absent); legacy: hi = fifth bits, dmin = m
+  int64_t off;                   // legacy: the q offset (w = d * (q - off)); Q8_0: 0, its q signed
 };
 
-Packed packed_of(int64_t type) {
-  if (type == Q4_K) return {144, 2368, 2048, 2176, -1, 2304, 2336};
-  if (type == Q6_K) return {210, 3360, 3072, -1, 2048, 3328, -1};
-  TORCH_CHECK(false, "GGUF block type ", type, " has no packed kernel (Q4_K and Q6_K do)");
+constexpr Packed layout_of(int64_t type) {
+  switch (type) {
+    case Q4_K: return {256, 144, 2368, 2048, 2176, -1, 2304, 2336, 0};
+    case Q6_K: return {256, 210, 3360, 3072, -1, 2048, 3328, -1, 0};
+    case Q4_0: return {32, 18, 288, -1, -1, -1, 256, -1, 8};
+    case Q4_1: return {32, 20, 320, -1, -1, -1, 256, 288, 0};
+    case Q5_0: return {32, 22, 352, -1, -1, 256, 320, -1, 16};
+    case Q5_1: return {32, 24, 384, -1, -1, 256, 320, 352, 0};
+    case Q8_0: return {32, 34, 544, -1, -1, -1, 512, -1, 0};
+  }
+  return {0, 0, 0, -1, -1, -1, -1, -1, 0};
 }
+
+Packed packed_of(int64_t type) {
+  const Packed P = layout_of(type);
+  TORCH_CHECK(P.qk, "GGUF block type ", type, " has no packed kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K do)");
+  return P;
+}
+
+constexpr bool legacy(int64_t type) { return type != Q4_K && type != Q6_K; }
 
 // The fields of one tile-block as runs of 16 lanes x `width` bytes: what moves with a row.
 std::vector<std::pair<int64_t, int64_t>> lane_runs(int64_t type) {  // (offset, width)
   std::vector<std::pair<int64_t, int64_t>> runs;
-  for (int64_t v = 0; v < 32; ++v) runs.push_back({64 * v, 4});
   const Packed P = packed_of(type);
+  if (legacy(type)) {
+    for (int64_t v = 0; v < (type == Q8_0 ? 8 : 4); ++v) runs.push_back({64 * v, 4});
+    if (P.hi >= 0) runs.push_back({P.hi, 4});
+    runs.push_back({P.d, 2});
+    if (P.dmin >= 0) runs.push_back({P.dmin, 2});
+    return runs;
+  }
+  for (int64_t v = 0; v < 32; ++v) runs.push_back({64 * v, 4});
   if (type == Q4_K) {
     for (int64_t s = 0; s < 8; ++s) runs.push_back({P.sc + 16 * s, 1});
     for (int64_t p = 0; p < 4; ++p) runs.push_back({P.mn + 32 * p, 2});
@@ -92,9 +126,25 @@ void pack_lane(int64_t type, const uint8_t* src, int64_t l, uint8_t* dst) {
   uint8_t q[256];
   int16_t sc[16], mn[16];
   gguf_decode_block(type, src, q, sc, mn);
-  for (int v = 0; v < 32; ++v)
-    for (int j = 0; j < 4; ++j) dst[64 * v + 4 * l + j] = (q[8 * v + j] & 15) | ((q[8 * v + 4 + j] & 15) << 4);
   const Packed P = packed_of(type);
+  if (type == Q8_0) {
+    for (int v = 0; v < 8; ++v)
+      for (int j = 0; j < 4; ++j) dst[64 * v + 4 * l + j] = q[4 * v + j];
+  } else {
+    for (int v = 0; v < P.qk / 8; ++v)
+      for (int j = 0; j < 4; ++j) dst[64 * v + 4 * l + j] = (q[8 * v + j] & 15) | ((q[8 * v + 4 + j] & 15) << 4);
+  }
+  if (legacy(type)) {  // d (and m) lead the file's block
+    if (P.hi >= 0)
+      for (int j = 0; j < 4; ++j) {
+        uint8_t h = 0;
+        for (int o = 0; o < 8; ++o) h |= ((q[4 * o + j] >> 4) & 1) << o;
+        dst[P.hi + 4 * l + j] = h;
+      }
+    std::memcpy(dst + P.d + 2 * l, src, 2);
+    if (P.dmin >= 0) std::memcpy(dst + P.dmin + 2 * l, src + 2, 2);
+    return;
+  }
   if (type == Q4_K) {
     for (int s = 0; s < 8; ++s) dst[P.sc + 16 * s + l] = static_cast<uint8_t>(sc[2 * s]);
     for (int p = 0; p < 4; ++p) {
@@ -117,15 +167,31 @@ void pack_lane(int64_t type, const uint8_t* src, int64_t l, uint8_t* dst) {
 }
 
 // Lane l of a tile-block back into values q[256], per-16 sc / mn and {d, dmin} (for gguf_packed_dequant).
+// Legacy types as gguf_rows.cpp's decode_block gives them: sc 1, mn the offset (or 1 with
+// dmin = -m for Q4_1 / Q5_1, 0 for Q8_0).
 void unpack_lane(int64_t type, const uint8_t* blk, int64_t l, uint8_t* q, int16_t* sc, int16_t* mn, float* d, float* dmin) {
-  for (int v = 0; v < 32; ++v)
-    for (int j = 0; j < 4; ++j) {
-      const uint8_t b = blk[64 * v + 4 * l + j];
-      q[8 * v + j] = b & 15;
-      q[8 * v + 4 + j] = b >> 4;
-    }
   const Packed P = packed_of(type);
+  if (type == Q8_0) {
+    for (int v = 0; v < 8; ++v)
+      for (int j = 0; j < 4; ++j) q[4 * v + j] = blk[64 * v + 4 * l + j];
+  } else {
+    for (int v = 0; v < P.qk / 8; ++v)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t b = blk[64 * v + 4 * l + j];
+        q[8 * v + j] = b & 15;
+        q[8 * v + 4 + j] = b >> 4;
+      }
+  }
   *d = f16(blk + P.d + 2 * l);
+  if (legacy(type)) {
+    if (P.hi >= 0)
+      for (int j = 0; j < 4; ++j)
+        for (int o = 0; o < 8; ++o) q[4 * o + j] |= ((blk[P.hi + 4 * l + j] >> o) & 1) << 4;
+    sc[0] = sc[1] = 1;
+    mn[0] = mn[1] = P.dmin >= 0 ? 1 : P.off;
+    *dmin = P.dmin >= 0 ? -f16(blk + P.dmin + 2 * l) : type == Q8_0 ? 0.f : *d;
+    return;
+  }
   if (type == Q4_K) {
     for (int s = 0; s < 16; ++s) sc[s] = static_cast<int8_t>(blk[P.sc + 16 * (s / 2) + l]);
     for (int s = 0; s < 16; ++s) mn[s] = static_cast<int8_t>(blk[P.mn + 32 * (s / 4) + 2 * l + (s / 2) % 2]);
@@ -141,21 +207,28 @@ void unpack_lane(int64_t type, const uint8_t* blk, int64_t l, uint8_t* q, int16_
   }
 }
 
-// Activations as the packed kernels read them: qa [N, K], da [N, K/256], and per token
-// Q4_K: the sums of 32 values in pairs as int16 x 2 (bp [N, K/64]); Q6_K: 32 x the sums of
-// 16 values (b32 [N, K/16]).
+// Activations as the packed kernels read them: qa [N, K], da [N, K/qk], and per token
+// qk 256, Q4_K: the sums of 32 values in pairs as int16 x 2 (bp [N, K/64]); Q6_K: 32 x the
+// sums of 16 values (b32 [N, K/16]); qk 32: the sums of each block's 32 values (s32 [N, K/32]).
 struct Acts {
+  int64_t qk = 0;
   std::vector<int8_t> qa;
   std::vector<float> da;
-  std::vector<int32_t> bp, b32;
+  std::vector<int32_t> bp, b32, s32;
 };
 
-Acts quantize(const float* x, int64_t N, int64_t K) {
+Acts quantize(const float* x, int64_t N, int64_t K, int64_t qk) {
   Acts a;
+  a.qk = qk;
   a.qa.resize(N * K);
-  a.da.resize(N * (K / QK));
+  a.da.resize(N * (K / qk));
   std::vector<int16_t> bsum(N * (K / 16));
-  gguf_quantize_acts(x, N, K, QK, a.qa.data(), a.da.data(), bsum.data());
+  gguf_quantize_acts(x, N, K, qk, a.qa.data(), a.da.data(), bsum.data());
+  if (qk == 32) {
+    a.s32.resize(N * (K / 32));
+    for (int64_t i = 0; i < N * (K / 32); ++i) a.s32[i] = int32_t(bsum[2 * i]) + bsum[2 * i + 1];
+    return a;
+  }
   a.bp.resize(N * (K / 64));
   a.b32.resize(N * (K / 16));
   for (int64_t i = 0; i < N * (K / 16); ++i) a.b32[i] = 32 * int32_t(bsum[i]);
@@ -166,11 +239,98 @@ Acts quantize(const float* x, int64_t N, int64_t K) {
   return a;
 }
 
+// One tile (16 rows) of a legacy type (blocks of 32) for TB tokens: out[t * 16 + l]. qa, da,
+// s32 point at token 0.
+template <int64_t TYPE, int TB>
+void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* s32,
+                 float* out) {
+  constexpr Packed P = layout_of(TYPE);
+#ifdef FORERUN_GGUF_VNNI
+  const __m512i m4 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16), flip = _mm512_set1_epi8(-128);
+  // bit `bit` of every byte of h moved to 16 (shifts of 16-bit lanes by <= 4: no bit crosses a byte)
+  auto fifth = [&](__m512i h, int bit) {
+    return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(h, 4 - bit) : _mm512_srli_epi16(h, bit - 4), m16);
+  };
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * P.bytes;
+    for (int64_t c = 0; c < P.bytes; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + c), _MM_HINT_T1);
+    __m512i dot[TB];
+    for (int t = 0; t < TB; ++t) dot[t] = _mm512_setzero_si512();
+    const int8_t* xb = qa + b * 32;
+    if constexpr (TYPE == Q8_0) {  // (q + 128) . qa, the 128 x S taken off below
+      for (int v = 0; v < 8; ++v) {
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * v), flip);
+        for (int t = 0; t < TB; ++t) {
+          int32_t a0;
+          std::memcpy(&a0, xb + t * K + 4 * v, 4);
+          dot[t] = _mm512_dpbusd_epi32(dot[t], u, _mm512_set1_epi32(a0));
+        }
+      }
+    } else {
+      __m512i hv = _mm512_setzero_si512();
+      if constexpr (P.hi >= 0) hv = _mm512_loadu_si512(blk + P.hi);
+      for (int v = 0; v < 4; ++v) {
+        const __m512i x = _mm512_loadu_si512(blk + 64 * v);
+        __m512i lo = _mm512_and_si512(x, m4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+        if constexpr (P.hi >= 0) {  // values 8v + j and 8v + 4 + j: fifth bits 2v and 2v + 1
+          lo = _mm512_or_si512(lo, fifth(hv, 2 * v));
+          hi = _mm512_or_si512(hi, fifth(hv, 2 * v + 1));
+        }
+        for (int t = 0; t < TB; ++t) {
+          int32_t a0, a1;
+          std::memcpy(&a0, xb + t * K + 8 * v, 4);
+          std::memcpy(&a1, xb + t * K + 8 * v + 4, 4);
+          dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(a0));
+          dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(a1));
+        }
+      }
+    }
+    constexpr int32_t OFF = TYPE == Q8_0 ? 128 : int32_t(P.off);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + P.d)));
+    for (int t = 0; t < TB; ++t) {
+      const int32_t S = s32[t * nb + b];
+      const __m512 dd = _mm512_set1_ps(da[t * nb + b]);
+      __m512i I = dot[t];
+      if constexpr (OFF != 0) I = _mm512_sub_epi32(I, _mm512_set1_epi32(OFF * S));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dv, dd), acc[t]);
+      if constexpr (P.dmin >= 0) {
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + P.dmin)));
+        acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(float(S)), _mm512_mul_ps(mv, dd), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + LANES * t, acc[t]);
+#else
+  for (int t = 0; t < TB; ++t)
+    for (int64_t l = 0; l < LANES; ++l) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t q[256];
+        int16_t sc[16], mn[16];
+        float d, dmin;
+        unpack_lane(TYPE, w + b * P.bytes, l, q, sc, mn, &d, &dmin);
+        const int8_t* x = qa + t * K + b * 32;
+        const int32_t S = s32[t * nb + b];
+        int32_t I = 0;
+        for (int i = 0; i < 32; ++i) I += (TYPE == Q8_0 ? int32_t(int8_t(q[i])) : int32_t(q[i])) * int32_t(x[i]);
+        I -= int32_t(P.off) * S;
+        const float dd = da[t * nb + b];
+        acc = std::fma(float(I), d * dd, acc);
+        if (P.dmin >= 0) acc = std::fma(float(S), -dmin * dd, acc);  // dmin = -m
+      }
+      out[LANES * t + l] = acc;
+    }
+#endif
+}
+
 // One tile (16 rows) for TB tokens: out[t * 16 + l]. qa, da, bp / b32 point at token 0.
 template <int64_t TYPE, int TB>
 void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* bp,
                const int32_t* b32, float* out) {
-  constexpr Packed P = TYPE == Q4_K ? Packed{144, 2368, 2048, 2176, -1, 2304, 2336} : Packed{210, 3360, 3072, -1, 2048, 3328, -1};
+  constexpr Packed P = layout_of(TYPE);
 #ifdef FORERUN_GGUF_VNNI
   const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
   __m512 acc[TB];
@@ -266,44 +426,50 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
 #endif
 }
 
+template <int64_t TYPE, int TB>
+void tile_tokens(const uint8_t* w, int64_t nb, const Acts& a, int64_t t0, int64_t K, float* o) {
+  const int8_t* qa = a.qa.data() + t0 * K;
+  const float* da = a.da.data() + t0 * nb;
+  if constexpr (legacy(TYPE))
+    tile_dots32<TYPE, TB>(w, nb, qa, K, da, a.s32.data() + t0 * nb, o);
+  else
+    tile_dots<TYPE, TB>(w, nb, qa, K, da, a.bp.data() + t0 * (K / 64), a.b32.data() + t0 * (K / 16), o);
+}
+
 template <int64_t TYPE>
 void tile_all_tokens(const uint8_t* w, int64_t nb, const Acts& a, int64_t N, int64_t K, float* out) {
   for (int64_t t0 = 0; t0 < N; t0 += MAX_TB) {
-    const int64_t tb = std::min(MAX_TB, N - t0);
-    const int8_t* qa = a.qa.data() + t0 * K;
-    const float* da = a.da.data() + t0 * nb;
-    const int32_t *bp = a.bp.data() + t0 * (K / 64), *b32 = a.b32.data() + t0 * (K / 16);
     float* o = out + LANES * t0;
-    switch (tb) {
-      case 1: tile_dots<TYPE, 1>(w, nb, qa, K, da, bp, b32, o); break;
-      case 2: tile_dots<TYPE, 2>(w, nb, qa, K, da, bp, b32, o); break;
-      case 3: tile_dots<TYPE, 3>(w, nb, qa, K, da, bp, b32, o); break;
-      case 4: tile_dots<TYPE, 4>(w, nb, qa, K, da, bp, b32, o); break;
-      case 5: tile_dots<TYPE, 5>(w, nb, qa, K, da, bp, b32, o); break;
-      case 6: tile_dots<TYPE, 6>(w, nb, qa, K, da, bp, b32, o); break;
-      case 7: tile_dots<TYPE, 7>(w, nb, qa, K, da, bp, b32, o); break;
-      default: tile_dots<TYPE, 8>(w, nb, qa, K, da, bp, b32, o); break;
+    switch (std::min(MAX_TB, N - t0)) {
+      case 1: tile_tokens<TYPE, 1>(w, nb, a, t0, K, o); break;
+      case 2: tile_tokens<TYPE, 2>(w, nb, a, t0, K, o); break;
+      case 3: tile_tokens<TYPE, 3>(w, nb, a, t0, K, o); break;
+      case 4: tile_tokens<TYPE, 4>(w, nb, a, t0, K, o); break;
+      case 5: tile_tokens<TYPE, 5>(w, nb, a, t0, K, o); break;
+      case 6: tile_tokens<TYPE, 6>(w, nb, a, t0, K, o); break;
+      case 7: tile_tokens<TYPE, 7>(w, nb, a, t0, K, o); break;
+      default: tile_tokens<TYPE, 8>(w, nb, a, t0, K, o); break;
     }
   }
 }
 
 void check_part(const torch::Tensor& p, int64_t type, int64_t rows, int64_t K, const char* who) {
   const Packed P = packed_of(type);
-  TORCH_CHECK(K % QK == 0, who, ": ", K, " inputs is not a whole number of blocks of ", QK);
+  TORCH_CHECK(K % P.qk == 0, who, ": ", K, " inputs is not a whole number of blocks of ", P.qk);
   TORCH_CHECK(p.dtype() == torch::kUInt8 && p.is_contiguous() && p.dim() == 2 && p.size(0) * LANES >= rows &&
-                  p.size(0) * LANES < rows + LANES && p.size(1) == K / QK * P.bytes,
-              who, ": a packed part is not [ceil(rows / 16), ", K / QK * P.bytes, "] contiguous uint8");
+                  p.size(0) * LANES < rows + LANES && p.size(1) == K / P.qk * P.bytes,
+              who, ": a packed part is not [ceil(rows / 16), ", K / P.qk * P.bytes, "] contiguous uint8");
 }
 
 }  // namespace
 
-// w [rows, K / 256 * bytes] (the file's blocks) -> [ceil(rows / 16), K / 256 * tile-block bytes].
+// w [rows, K / qk * bytes] (the file's blocks) -> [ceil(rows / 16), K / qk * tile-block bytes].
 torch::Tensor gguf_pack(torch::Tensor w, int64_t type, int64_t K) {
   const Packed P = packed_of(type);
-  TORCH_CHECK(K % QK == 0 && w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 &&
-                  w.size(1) == K / QK * P.src_bytes,
-              "gguf_pack: w is not [rows, ", K / QK * P.src_bytes, "] contiguous uint8");
-  const int64_t rows = w.size(0), tiles = (rows + LANES - 1) / LANES, nb = K / QK;
+  TORCH_CHECK(K % P.qk == 0 && w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 &&
+                  w.size(1) == K / P.qk * P.src_bytes,
+              "gguf_pack: w is not [rows, ", K / P.qk * P.src_bytes, "] contiguous uint8");
+  const int64_t rows = w.size(0), tiles = (rows + LANES - 1) / LANES, nb = K / P.qk;
   auto out = torch::zeros({tiles, nb * P.bytes}, torch::kUInt8);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -320,7 +486,7 @@ torch::Tensor gguf_pack(torch::Tensor w, int64_t type, int64_t K) {
 torch::Tensor gguf_packed_select(torch::Tensor w, int64_t type, torch::Tensor ids, int64_t K) {
   const Packed P = packed_of(type);
   const auto idx = ids.to(torch::kInt64).contiguous();
-  const int64_t n = idx.numel(), nb = K / QK, tiles = (n + LANES - 1) / LANES;
+  const int64_t n = idx.numel(), nb = K / P.qk, tiles = (n + LANES - 1) / LANES;
   check_part(w, type, (w.size(0) - 1) * LANES + 1, K, "gguf_packed_select");
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < w.size(0) * LANES, "gguf_packed_select: id ", ip[j], " out of range");
@@ -343,9 +509,10 @@ torch::Tensor gguf_packed_dequant(torch::Tensor w, int64_t type, torch::Tensor i
   const Packed P = packed_of(type);
   check_part(w, type, (w.size(0) - 1) * LANES + 1, K, "gguf_packed_dequant");
   const auto idx = ids.to(torch::kInt64).contiguous();
-  const int64_t n = idx.numel(), nb = K / QK;
+  const int64_t n = idx.numel(), nb = K / P.qk;
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < w.size(0) * LANES, "gguf_packed_dequant: id ", ip[j], " out of range");
+  const int offset = type == Q6_K ? 32 : int(P.off);  // d * (q - offset): ggml's order (gguf_dequant_rows)
   auto out = torch::empty({n, K}, torch::kFloat32);
   float* op = out.data_ptr<float>();
   const uint8_t* base = w.data_ptr<uint8_t>();
@@ -356,10 +523,12 @@ torch::Tensor gguf_packed_dequant(torch::Tensor w, int64_t type, torch::Tensor i
     for (int64_t j = j0; j < j1; ++j)
       for (int64_t b = 0; b < nb; ++b) {
         unpack_lane(type, base + (ip[j] / LANES) * nb * P.bytes + b * P.bytes, ip[j] % LANES, q, sc, mn, &d, &dmin);
-        float* o = op + j * K + b * QK;
-        for (int i = 0; i < QK; ++i) {
+        float* o = op + j * K + b * P.qk;
+        for (int i = 0; i < P.qk; ++i) {
           const float ds = d * float(sc[i / 16]);
-          o[i] = type == Q6_K ? ds * float(int(q[i]) - 32) : ds * float(q[i]) - dmin * float(mn[i / 16]);
+          o[i] = type == Q8_0 ? ds * float(int8_t(q[i]))
+                 : offset     ? ds * float(int(q[i]) - offset)
+                              : ds * float(q[i]) - dmin * float(mn[i / 16]);
         }
       }
   });
@@ -373,7 +542,7 @@ torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> pa
   TORCH_CHECK(!parts.empty() && parts.size() == types.size() && parts.size() == rows.size(),
               "gguf_packed_rows: one type and one row count per part");
   const auto x = x_in.to(torch::kFloat32).contiguous();
-  const int64_t K = x.size(-1), N = x.numel() / K, nb = K / QK;
+  const int64_t K = x.size(-1), N = x.numel() / K;
   std::vector<int64_t> first{0}, tile_first{0};
   for (size_t i = 0; i < parts.size(); ++i) {
     check_part(parts[i], types[i], rows[i], K, "gguf_packed_rows");
@@ -384,7 +553,11 @@ torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> pa
   TORCH_CHECK(!bias.defined() || bias.numel() == 0 || bias.numel() == M, "gguf_packed_rows: bias has ", bias.numel(),
               " values, expected ", M);
   const float* bp = bias.defined() && bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
-  const Acts a = quantize(x.data_ptr<float>(), N, K);
+  Acts a32, a256;  // the activations per block of 32 and / or of 256, as the parts need them
+  for (const int64_t t : types) {
+    Acts& a = layout_of(t).qk == 32 ? a32 : a256;
+    if (a.qk == 0) a = quantize(x.data_ptr<float>(), N, K, layout_of(t).qk);
+  }
   auto sizes = x.sizes().vec();
   sizes.back() = M;
   auto out = torch::empty(sizes, x.options());
@@ -395,10 +568,17 @@ torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> pa
       const size_t i = std::upper_bound(tile_first.begin(), tile_first.end(), u) - tile_first.begin() - 1;
       const int64_t tile = u - tile_first[i];
       const uint8_t* w = parts[i].data_ptr<uint8_t>() + tile * parts[i].size(1);
-      if (types[i] == Q4_K)
-        tile_all_tokens<Q4_K>(w, nb, a, N, K, acc.data());
-      else
-        tile_all_tokens<Q6_K>(w, nb, a, N, K, acc.data());
+      const int64_t nb = K / layout_of(types[i]).qk;
+      const Acts& a = nb == K / 32 ? a32 : a256;
+      switch (types[i]) {
+        case Q4_0: tile_all_tokens<Q4_0>(w, nb, a, N, K, acc.data()); break;
+        case Q4_1: tile_all_tokens<Q4_1>(w, nb, a, N, K, acc.data()); break;
+        case Q5_0: tile_all_tokens<Q5_0>(w, nb, a, N, K, acc.data()); break;
+        case Q5_1: tile_all_tokens<Q5_1>(w, nb, a, N, K, acc.data()); break;
+        case Q8_0: tile_all_tokens<Q8_0>(w, nb, a, N, K, acc.data()); break;
+        case Q4_K: tile_all_tokens<Q4_K>(w, nb, a, N, K, acc.data()); break;
+        default: tile_all_tokens<Q6_K>(w, nb, a, N, K, acc.data()); break;
+      }
       const int64_t r0 = first[i] + tile * LANES, n = std::min(LANES, rows[i] - tile * LANES);
       for (int64_t t = 0; t < N; ++t)
         for (int64_t l = 0; l < n; ++l) y[t * M + r0 + l] = bp ? acc[t * LANES + l] + bp[r0 + l] : acc[t * LANES + l];
@@ -416,9 +596,9 @@ bool gguf_packed_vnni() {
 }
 
 void bind_gguf_packed_rows(pybind11::module& m) {
-  m.def("gguf_pack", &gguf_pack, "GGUF K-quant rows rearranged 16 rows per tile (the same bits)");
+  m.def("gguf_pack", &gguf_pack, "GGUF rows rearranged 16 rows per tile (the same bits)");
   m.def("gguf_packed_select", &gguf_packed_select, "rows of a packed GGUF matrix, packed");
   m.def("gguf_packed_dequant", &gguf_packed_dequant, "rows of a packed GGUF matrix as float32 (ggml's values)");
-  m.def("gguf_packed_rows", &gguf_packed_rows, "linear over packed GGUF K-quant tiles, batch-invariant");
+  m.def("gguf_packed_rows", &gguf_packed_rows, "linear over packed GGUF tiles, batch-invariant");
   m.def("gguf_packed_vnni", &gguf_packed_vnni, "whether the packed GGUF kernel was compiled with AVX512-VNNI");
 }
