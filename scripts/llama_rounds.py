@@ -6,8 +6,9 @@
 `forerun bench --vs llama.cpp` runs one engine after the other; on a machine whose memory speed
 drifts within minutes that ratio moves by 20%. Here every round runs `llama-bench -p 0 -n N -t T`
 once and then each forerun configuration on the same prompts (greedy, decode-only tok/s), and the
-ratio is taken within a round. Configurations: `--config DTYPE:K[:LOOKUP]` (the verifier's dtype, k,
-and optionally --draft-lookup's N), the drafter given by --draft-model / --draft-dtype / --draft-vocab.
+ratio is taken within a round. Configurations: `--config DTYPE:K[:LOOKUP[:DRAFT_DTYPE]]` (the
+verifier's dtype, k, optionally --draft-lookup's N and the drafter's precision), the drafter given by
+--draft-model / --draft-dtype (its default precision) / --draft-vocab.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def main() -> int:
     ap.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--draft-dtype", default="int4")
     ap.add_argument("--draft-vocab", type=int, default=32768)
-    ap.add_argument("--config", action="append", default=None, help="DTYPE:K[:LOOKUP], repeatable (default int8:6 and int4:4:1)")
+    ap.add_argument("--config", action="append", default=None, help="DTYPE:K[:LOOKUP[:DRAFT_DTYPE]], repeatable (default int8:6 and int4:4:1; the "
+                    "drafter's precision defaults to --draft-dtype)")
     ap.add_argument("--prompts", default="humaneval", help="a prompt set, or several comma-separated")
     ap.add_argument("--limit", type=int, default=2, help="prompts taken from each set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -56,13 +58,17 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     configs = {}
-    draft = LLM(model=args.draft_model, dtype=args.draft_dtype, progress=False)  # one drafter for every config
+    drafts = {}  # one drafter per precision, shared by the configs
     for item in args.config or ["int8:6", "int4:4:1"]:
-        dtype, k, lookup = (item.split(":") + ["0"])[:3]
+        dtype, k, lookup, draft_dtype = (item.split(":") + ["0", args.draft_dtype][len(item.split(":")) - 2:])[:4]
+        if draft_dtype not in drafts:
+            drafts[draft_dtype] = LLM(model=args.draft_model, dtype=draft_dtype, progress=False)
         llm = LLM(model=args.model, dtype=dtype, progress=False)  # each config its own (an LLM keeps one drafter)
         options = {"draft_vocab": args.draft_vocab, **({"draft_lookup": int(lookup)} if int(lookup) else {})}
-        spec = SpeculativeConfig(method="draft_model", draft_model=draft, num_speculative_tokens=int(k), options=options)
-        name = f"forerun {dtype} verifier, draft_model k={k}" + (f", lookup {lookup}" if int(lookup) else "")
+        spec = SpeculativeConfig(method="draft_model", draft_model=drafts[draft_dtype], num_speculative_tokens=int(k),
+                                 options=options)
+        name = f"forerun {dtype} verifier, draft_model k={k}" + (f", lookup {lookup}" if int(lookup) else "") + \
+            (f", {draft_dtype} drafter" if k != "0" else "")
         configs[name] = (llm, spec)
     prompts = [p for spec in args.prompts.split(",") for p in load_prompts(spec, limit=args.limit)]
     texts = [next(iter(configs.values()))[0].apply_chat_template([{"role": "user", "content": p.text}])
