@@ -49,6 +49,17 @@ def test_the_default_precision_is_the_files_own_blocks(llm, llm_f32, prompts):
     assert kl.mean() < 0.02 and (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
+def test_the_tied_table_is_held_once_and_looks_up_the_files_rows(llm, llm_f32):
+    """SmolLM2 ties its head to its Q8_0 embedding: where the head is packed for the VNNI
+    kernel, the embedding reads its rows from that copy, and they are the file's values."""
+    from forerun.models import int8_kernel
+
+    emb, head = llm.model.model.embed_tokens, llm.model.lm_head
+    assert (emb.blocks is head.parts[0]) == bool(int8_kernel.load().gguf_packed_vnni())
+    ids = torch.tensor([[0, 17, 49151, 17]])
+    assert torch.equal(emb(ids), llm_f32.model.model.embed_tokens(ids))
+
+
 def test_logits_match_transformers(llm_f32, embedded_gguf, prompts):
     llm = llm_f32
     transformers = pytest.importorskip("transformers")

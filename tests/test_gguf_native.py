@@ -71,8 +71,17 @@ def reference(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     return a @ w.dequantize().double().T
 
 
+@pytest.fixture(params=["packed", "rows"])
+def kernel_choice(request, monkeypatch):
+    """Both kernels of a GGUFLinear: the packed one where the build has AVX512-VNNI (which a
+    linear takes by default there), and the row kernel (FORERUN_GGUF_ROWS=1, every CPU's)."""
+    if request.param == "rows":
+        monkeypatch.setenv("FORERUN_GGUF_ROWS", "1")
+    return request.param
+
+
 @pytest.mark.parametrize("t", ALL, ids=[t.name for t in ALL])
-def test_the_kernel_computes_the_documented_function(t):
+def test_the_kernel_computes_the_documented_function(t, kernel_choice):
     torch.manual_seed(int(t))
     w = blocks(t, 45, 768, seed=int(t) + 1)
     bias = torch.randn(45)
@@ -80,12 +89,13 @@ def test_the_kernel_computes_the_documented_function(t):
     x = torch.randn(9, 768) * 2
     ref = reference(x, w) + bias.double()
     y = lin(x)
+    assert lin.packed == (kernel_choice == "packed" and bool(int8_kernel.load().gguf_packed_vnni()))
     assert y.shape == (9, 45)
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q5_0], ids=["Q4_K", "Q5_0"])
-def test_activation_blocks_at_the_edges_quantize_as_documented(t):
+def test_activation_blocks_at_the_edges_quantize_as_documented(t, kernel_choice):
     """An all-zero block, one dominated by a single value, and values at the int8 grid's
     half-steps (round half to even): the vector quantizer gives the documented function."""
     w = blocks(t, 19, 512, seed=7)
@@ -159,10 +169,10 @@ def test_a_part_with_a_bad_shape_is_refused():
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q8_0, "ffn_gate": T.Q4_0,
          "ffn_up": T.Q5_1, "ffn_down": T.Q4_1}
-# The last layer's MLP input in the two packed K types: its fused gate/up runs on the packed
-# kernel (gguf_packed_rows.cpp) where the build has AVX512-VNNI, as a real Q4_K_M file's do;
-# the other layers' gate/up (Q4_0 + Q5_1), attn_output (Q8_0) and ffn_down (Q4_1) on its legacy
-# tiles; the q/k/v, with a Q5_K part, on the row kernel (gguf_rows.cpp).
+# The last layer's MLP input in the two packed K types, as a real Q4_K_M file's; the other
+# layers' gate/up (Q4_0 + Q5_1), attn_output (Q8_0) and ffn_down (Q4_1) legacy types; the q/k/v
+# three K types. Every linear runs on the packed kernel (gguf_packed_rows.cpp) where the build
+# has AVX512-VNNI, else on the row kernel (gguf_rows.cpp): test_isa_levels runs this file at both.
 LAST_LAYER = {**TYPES, "ffn_gate": T.Q4_K, "ffn_up": T.Q6_K}
 
 
@@ -253,8 +263,8 @@ def test_the_model_keeps_the_files_blocks(verifier):
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFLinear) and [p.type for p in qkv.parts] == [T.Q4_K, T.Q5_K, T.Q6_K]
     gate_up = model.model.layers[-1].mlp.gate_up_proj
-    assert [p.type for p in gate_up.parts] == [T.Q4_K, T.Q6_K] and not qkv.packed
     vnni = bool(int8_kernel.load().gguf_packed_vnni())
+    assert [p.type for p in gate_up.parts] == [T.Q4_K, T.Q6_K] and qkv.packed == vnni
     assert gate_up.packed == model.lm_head.packed == vnni
     legacy = model.model.layers[0].mlp
     assert [p.type for p in legacy.gate_up_proj.parts] == [T.Q4_0, T.Q5_1] and legacy.gate_up_proj.packed == vnni

@@ -1,5 +1,5 @@
-"""The packed GGUF kernel (gguf_packed_rows.cpp): rows of Q4_K, Q6_K and the legacy 32-value
-types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) rearranged 16 at a time.
+"""The packed GGUF kernel (gguf_packed_rows.cpp): rows of every native type (Q4_K, Q5_K, Q6_K
+and the legacy 32-value Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) rearranged 16 at a time.
 
 Packing keeps the file's bits (dequantizing the packed form is ggml's reference, bit for bit,
 also for row counts that leave a tile part empty, and for rows picked out of it), the kernel
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(int8_kernel.load() is None or not hasattr(int8_k
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from forerun.models.gguf_native import GGUFLinear, packs  # noqa: E402
+from forerun.models.gguf_native import NATIVE_TYPES, GGUFLinear, packs  # noqa: E402
 from tests.test_gguf_native import blocks, reference  # noqa: E402
 
-PACKED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
+PACKED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
@@ -46,10 +46,13 @@ def packed_rows(x: torch.Tensor, parts, bias=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
 def test_the_packed_kernel_computes_the_documented_function(t):
+    """K of 864 for the legacy types: inputs that are not whole blocks of 256 (the 0.5B's 896,
+    SmolLM2's 576), the case their packing is for."""
     torch.manual_seed(int(t))
-    w = blocks(t, 45, 768, seed=int(t) + 1)
+    k = 768 if NATIVE_TYPES[int(t)][0] == 256 else 864
+    w = blocks(t, 45, k, seed=int(t) + 1)
     bias = torch.randn(45)
-    x = torch.randn(9, 768) * 2
+    x = torch.randn(9, k) * 2
     x[:, 5] = 40.0  # one large channel: its block's scale, not the others'
     ref = reference(x, w) + bias.double()
     y = packed_rows(x, [w], bias)
@@ -62,7 +65,7 @@ def test_packed_rows_get_the_same_bits_alone_and_in_any_batch():
     its batch-mates; a fused linear of every packed type (activations per 256 and per 32 side
     by side) gives each part its own output rows."""
     torch.manual_seed(0)
-    parts = [blocks(T.Q4_K, 40, 512, 1), blocks(T.Q6_K, 24, 512, 2), blocks(T.Q4_K, 3, 512, 3),
+    parts = [blocks(T.Q4_K, 40, 512, 1), blocks(T.Q6_K, 24, 512, 2), blocks(T.Q5_K, 3, 512, 3),
              blocks(T.Q5_0, 17, 512, 4), blocks(T.Q8_0, 16, 512, 5), blocks(T.Q4_1, 5, 512, 6),
              blocks(T.Q5_1, 9, 512, 7), blocks(T.Q4_0, 2, 512, 8)]
     x = torch.randn(21, 512)
@@ -78,7 +81,16 @@ def test_packed_rows_get_the_same_bits_alone_and_in_any_batch():
         start += p.rows
 
 
-def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function():
+def test_legacy_tiles_over_inputs_not_whole_256s_are_batch_invariant():
+    parts = [blocks(T.Q5_0, 21, 864, 9), blocks(T.Q8_0, 16, 864, 10), blocks(T.Q4_1, 7, 864, 11)]
+    x = torch.randn(11, 864)
+    together = packed_rows(x, parts)
+    for i in range(11):
+        assert torch.equal(packed_rows(x[i : i + 1], parts), together[i : i + 1])
+    assert torch.equal(packed_rows(x[2:9], parts), together[2:9])
+
+
+def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function(monkeypatch):
     parts = [blocks(T.Q4_K, 20, 256, 4), blocks(T.Q6_K, 12, 256, 5)]
     lin = GGUFLinear(parts)
     assert lin.packed == packs(parts) == bool(int8_kernel.load().gguf_packed_vnni())
@@ -91,14 +103,17 @@ def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function():
     head = GGUFLinear([parts[0]])
     sub = head.select_rows(torch.tensor([3, 7]))
     assert torch.equal(sub(x), head(x)[:, [3, 7]])
-    assert not GGUFLinear([parts[0], blocks(T.Q5_K, 8, 256, 6)]).packed  # a Q5_K part: the row kernel
+    monkeypatch.setenv("FORERUN_GGUF_ROWS", "1")
+    rows = GGUFLinear(parts)
+    assert not rows.packed  # forced onto the row kernel: the same function
+    assert (rows(x).double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
 
 def test_bad_packed_input_is_refused():
     kernel = int8_kernel.load()
     w = blocks(T.Q4_K, 8, 512).pack()
     with pytest.raises(RuntimeError, match="no packed kernel"):
-        kernel.gguf_pack(blocks(T.Q5_K, 8, 512).data, int(T.Q5_K), 512)
+        kernel.gguf_pack(blocks(T.Q5_K, 8, 512).data, 10, 512)  # Q2_K
     with pytest.raises(RuntimeError, match="packed part"):
         kernel.gguf_packed_rows(torch.randn(2, 512), [w.data], [w.type], [40], torch.empty(0))
     with pytest.raises(RuntimeError, match="out of range"):

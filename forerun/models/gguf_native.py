@@ -10,10 +10,9 @@ llama.cpp does: the model llama.cpp runs, at its fidelity.
 
 Weights are read once from the mapped file into memory (rows of a llama q/k projection put
 back in Hugging Face's RoPE order: a reordering of whole rows, the bytes unchanged). Where the
-kernels have AVX512-VNNI, a linear whose parts are all of the packed types (every native type
-but Q5_K) has its rows rearranged 16 per tile (gguf_packed_rows.cpp: the same bits, 16 outputs
-per VNNI instruction); other linears, and every linear elsewhere, read the file's row-major blocks
-(gguf_rows.cpp). FORERUN_GGUF_ROWS=1 forces the row kernel. The
+kernels have AVX512-VNNI, every linear has its rows rearranged 16 per tile (gguf_packed_rows.cpp:
+the same bits, 16 outputs per VNNI instruction); elsewhere, or with FORERUN_GGUF_ROWS=1, the
+linears read the file's row-major blocks (gguf_rows.cpp). The
 embedding table is read from its blocks too, one looked-up row at a time. Tensors of other
 types (float norms and biases, a float or unsupported-type matrix) are dequantized to
 float32 exactly as the float32 path does. Each token's output is one instruction sequence
@@ -39,12 +38,12 @@ NATIVE_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
                 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
-# Types the packed kernel (gguf_packed_rows.cpp) rearranges 16 rows at a time: the bulk of a
-# Q4_K_M file (Q4_K, and the Q6_K of its attn_v, ffn_down and output head), and the legacy
-# 32-value types a file falls back to where a matrix's inputs are not whole blocks of 256
-# (Qwen2.5-0.5B's 896: Q5_0 / Q8_0; SmolLM2's 576: Q4_1). Q5_K is on the row kernel only.
+# Types the packed kernel (gguf_packed_rows.cpp) rearranges 16 rows at a time: every native
+# type. The bulk of a Q4_K_M file (Q4_K, and the Q6_K of its attn_v, ffn_down and output head),
+# a Q5_K_M file's Q5_K, and the legacy 32-value types a file falls back to where a matrix's
+# inputs are not whole blocks of 256 (Qwen2.5-0.5B's 896: Q5_0 / Q8_0; SmolLM2's 576: Q4_1).
 Q4_K, Q6_K = 12, 14
-PACKED_TYPES = {2, 3, 6, 7, 8, Q4_K, Q6_K}
+PACKED_TYPES = set(NATIVE_TYPES)
 
 
 @dataclass(frozen=True)
@@ -314,11 +313,23 @@ def _place(model: nn.Module, tensors: dict, cfg, path: Path) -> None:
         elif isinstance(module, nn.Embedding):
             set_module(model, mod_name, _embedding(tensors, mod_name, module, used, path))
             placed.append(mod_name + ".")
+    if cfg.tie_word_embeddings:
+        _share_tied_table(model)
     rest = {k: v for k, v in tensors.items() if k not in used}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     missing = [m for m in missing if not m.endswith("inv_freq") and not m.startswith(tuple(placed))]
     if missing or unexpected:
         raise ModelLoadError(f"{path}: tensors do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _share_tied_table(model: nn.Module) -> None:
+    """A tied head packed for the VNNI kernel holds a rearranged copy of the embedding's blocks:
+    the embedding then looks its rows up in that copy (the same values, bit for bit), so the
+    table is in memory once (Gemma 3 270M's Q8_0 table: 178 MB)."""
+    head, emb = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if (isinstance(head, GGUFLinear) and type(emb) is GGUFEmbedding and len(head.parts) == 1
+            and head.parts[0].packed_rows and head.parts[0].rows == emb.blocks.rows):
+        emb.blocks = head.parts[0]
 
 
 def _linear(tensors: dict, sources: tuple[str, ...], module: nn.Linear, used: set, path: Path) -> nn.Module:

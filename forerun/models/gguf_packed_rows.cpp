@@ -1,6 +1,8 @@
-// GGUF blocks (Q4_K, Q6_K and the legacy 32-value types) rearranged 16 rows at a time so that a vector holds 16 outputs: the
-// same bits as the file (a permutation of its bytes, reversible), computed with one VNNI
-// instruction per 16 outputs x 4 inputs, as int4_rows.cpp does for forerun's own int4.
+// GGUF blocks of every native type (Q4_K, Q5_K, Q6_K and the legacy 32-value ones) rearranged
+// 16 rows at a time so that a vector holds 16 outputs: the file's values, bit for bit (Q6_K's
+// and the legacy types' tiles a permutation of the file's bytes; Q4_K's and Q5_K's with their
+// packed 6-bit scales and mins spread to a byte each, 4 bytes more a row-block), computed with
+// one VNNI instruction per 16 outputs x 4 inputs, as int4_rows.cpp does for forerun's own int4.
 //
 // gguf_rows.cpp reads the file's row-major blocks: every output row then needs its own
 // horizontal dot product per token, about six instructions per 32 values per token. Here a
@@ -11,6 +13,10 @@
 //   Q4_K     sc int8 [8][16] (sub-block s of 32 values, row l), mn int8 [4][16][2] (the
 //            mins of sub-blocks 2p and 2p + 1 side by side), d f16 [16], dmin f16 [16]
 //            2048 + 128 + 128 + 64 = 2368 bytes = 16 x 148 (the file: 16 x 144)
+//   Q5_K     as Q4_K, with the fifth bits after the values: hi 8 vectors; vector s (sub-block
+//            s), byte 4*l + j: the fifth bits of values 32s + j, 32s + 4 + j, ..., 32s + 28 + j
+//            of row l, lowest first
+//            2048 + 512 + 128 + 128 + 64 = 2880 bytes = 16 x 180 (the file: 16 x 176)
 //   Q6_K     hi int8 [16][64] (sub-block s of 16 values: byte 4*l + j holds the top two bits
 //            of values 16s + j, 16s + 4 + j, 16s + 8 + j, 16s + 12 + j of row l, lowest
 //            first), sc int8 [16][16], d f16 [16]
@@ -24,8 +30,8 @@
 //            Q4_0 288 = 16 x 18, Q4_1 320 = 16 x 20, Q5_0 352 = 16 x 22, Q5_1 384 = 16 x 24,
 //            Q8_0 544 = 16 x 34 bytes
 // Numerics, per row, token and block, with qa / da / bsum the activations as gguf_rows.cpp
-// quantizes them (int8 per 256 values, scale da, sums per 16):
-//   Q4_K  I = sum_s sc_s * (sum_{i in s} q_i qa_i),  Mn = sum_s mn_s * bsum32_s    (int32, exact)
+// quantizes them (int8 per block of the weight's width, 256 or 32 values, scale da, sums per 16):
+//   Q4_K, Q5_K  I = sum_s sc_s * (sum_{i in s} q_i qa_i),  Mn = sum_s mn_s * bsum32_s  (int32, exact)
 //         acc = fma(float(I), d * da, acc);  acc = fma(-float(Mn), dmin * da, acc)
 //   Q6_K  I = sum_s sc_s * (sum_{i in s} q_i qa_i - 32 * bsum_s)                  (int32, exact)
 //         acc = fma(float(I), d * da, acc)
@@ -55,7 +61,7 @@ float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc,
 
 namespace {
 
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14, LANES = 16, QK = 256;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, LANES = 16, QK = 256;
 constexpr int64_t MAX_TB = 8;  // tokens per pass over a tile's weights (8 vs 4: 8 tokens 23.3 -> 21.4 ms below)
 // Ask for the weights 20 KB ahead into L2, as int4_rows.cpp does: 26 Q4_K / Q6_K matrices of the
 // 1.5B's MLP shapes (0.37 GB, more than the caches), median of 5 interleaved rounds, this 2-core
@@ -72,6 +78,7 @@ struct Packed {
 constexpr Packed layout_of(int64_t type) {
   switch (type) {
     case Q4_K: return {256, 144, 2368, 2048, 2176, -1, 2304, 2336, 0};
+    case Q5_K: return {256, 176, 2880, 2560, 2688, 2048, 2816, 2848, 0};
     case Q6_K: return {256, 210, 3360, 3072, -1, 2048, 3328, -1, 0};
     case Q4_0: return {32, 18, 288, -1, -1, -1, 256, -1, 8};
     case Q4_1: return {32, 20, 320, -1, -1, -1, 256, 288, 0};
@@ -84,11 +91,12 @@ constexpr Packed layout_of(int64_t type) {
 
 Packed packed_of(int64_t type) {
   const Packed P = layout_of(type);
-  TORCH_CHECK(P.qk, "GGUF block type ", type, " has no packed kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K do)");
+  TORCH_CHECK(P.qk, "GGUF block type ", type, " has no packed kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K do)");
   return P;
 }
 
-constexpr bool legacy(int64_t type) { return type != Q4_K && type != Q6_K; }
+constexpr bool legacy(int64_t type) { return layout_of(type).qk == 32; }
+constexpr bool k_min(int64_t type) { return type == Q4_K || type == Q5_K; }  // w = d sc q - dmin mn
 
 // The fields of one tile-block as runs of 16 lanes x `width` bytes: what moves with a row.
 std::vector<std::pair<int64_t, int64_t>> lane_runs(int64_t type) {  // (offset, width)
@@ -102,7 +110,9 @@ std::vector<std::pair<int64_t, int64_t>> lane_runs(int64_t type) {  // (offset, 
     return runs;
   }
   for (int64_t v = 0; v < 32; ++v) runs.push_back({64 * v, 4});
-  if (type == Q4_K) {
+  if (type == Q5_K)
+    for (int64_t s = 0; s < 8; ++s) runs.push_back({P.hi + 64 * s, 4});
+  if (k_min(type)) {
     for (int64_t s = 0; s < 8; ++s) runs.push_back({P.sc + 16 * s, 1});
     for (int64_t p = 0; p < 4; ++p) runs.push_back({P.mn + 32 * p, 2});
     runs.push_back({P.d, 2});
@@ -145,7 +155,14 @@ void pack_lane(int64_t type, const uint8_t* src, int64_t l, uint8_t* dst) {
     if (P.dmin >= 0) std::memcpy(dst + P.dmin + 2 * l, src + 2, 2);
     return;
   }
-  if (type == Q4_K) {
+  if (type == Q5_K)  // sub-block s: the fifth bits of its 32 values, as the legacy types' per 32
+    for (int s = 0; s < 8; ++s)
+      for (int j = 0; j < 4; ++j) {
+        uint8_t h = 0;
+        for (int o = 0; o < 8; ++o) h |= ((q[32 * s + 4 * o + j] >> 4) & 1) << o;
+        dst[P.hi + 64 * s + 4 * l + j] = h;
+      }
+  if (k_min(type)) {
     for (int s = 0; s < 8; ++s) dst[P.sc + 16 * s + l] = static_cast<uint8_t>(sc[2 * s]);
     for (int p = 0; p < 4; ++p) {
       dst[P.mn + 32 * p + 2 * l] = static_cast<uint8_t>(mn[4 * p]);
@@ -192,7 +209,11 @@ void unpack_lane(int64_t type, const uint8_t* blk, int64_t l, uint8_t* q, int16_
     *dmin = P.dmin >= 0 ? -f16(blk + P.dmin + 2 * l) : type == Q8_0 ? 0.f : *d;
     return;
   }
-  if (type == Q4_K) {
+  if (k_min(type)) {  // (Q5_K's scales and mins are 6-bit: unsigned below 64, as int8 too)
+    if (type == Q5_K)
+      for (int s = 0; s < 8; ++s)
+        for (int j = 0; j < 4; ++j)
+          for (int o = 0; o < 8; ++o) q[32 * s + 4 * o + j] |= ((blk[P.hi + 64 * s + 4 * l + j] >> o) & 1) << 4;
     for (int s = 0; s < 16; ++s) sc[s] = static_cast<int8_t>(blk[P.sc + 16 * (s / 2) + l]);
     for (int s = 0; s < 16; ++s) mn[s] = static_cast<int8_t>(blk[P.mn + 32 * (s / 4) + 2 * l + (s / 2) % 2]);
     *dmin = f16(blk + P.dmin + 2 * l);
@@ -239,6 +260,14 @@ Acts quantize(const float* x, int64_t N, int64_t K, int64_t qk) {
   return a;
 }
 
+#ifdef FORERUN_GGUF_VNNI
+// Bit `bit` of every byte of h moved to 16 (16-bit lanes shifted by at most 4 left or 3 right:
+// no bit crosses into the next byte), the rest 0: a fifth bit as Q5_0 / Q5_1 / Q5_K add it.
+inline __m512i fifth_bit(__m512i h, int bit) {
+  return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(h, 4 - bit) : _mm512_srli_epi16(h, bit - 4), _mm512_set1_epi8(16));
+}
+#endif
+
 // One tile (16 rows) of a legacy type (blocks of 32) for TB tokens: out[t * 16 + l]. qa, da,
 // s32 point at token 0.
 template <int64_t TYPE, int TB>
@@ -246,11 +275,7 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
                  float* out) {
   constexpr Packed P = layout_of(TYPE);
 #ifdef FORERUN_GGUF_VNNI
-  const __m512i m4 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16), flip = _mm512_set1_epi8(-128);
-  // bit `bit` of every byte of h moved to 16 (shifts of 16-bit lanes by <= 4: no bit crosses a byte)
-  auto fifth = [&](__m512i h, int bit) {
-    return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(h, 4 - bit) : _mm512_srli_epi16(h, bit - 4), m16);
-  };
+  const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(-128);
   __m512 acc[TB];
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -276,8 +301,8 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
         const __m512i x = _mm512_loadu_si512(blk + 64 * v);
         __m512i lo = _mm512_and_si512(x, m4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
         if constexpr (P.hi >= 0) {  // values 8v + j and 8v + 4 + j: fifth bits 2v and 2v + 1
-          lo = _mm512_or_si512(lo, fifth(hv, 2 * v));
-          hi = _mm512_or_si512(hi, fifth(hv, 2 * v + 1));
+          lo = _mm512_or_si512(lo, fifth_bit(hv, 2 * v));
+          hi = _mm512_or_si512(hi, fifth_bit(hv, 2 * v + 1));
         }
         for (int t = 0; t < TB; ++t) {
           int32_t a0, a1;
@@ -341,11 +366,11 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + c), _MM_HINT_T1);
     __m512i isum[TB];
     for (int t = 0; t < TB; ++t) isum[t] = _mm512_setzero_si512();
-    constexpr int SUBS = TYPE == Q4_K ? 8 : 16, VECS = 32 / SUBS;  // nibble vectors per sub-block
+    constexpr int SUBS = k_min(TYPE) ? 8 : 16, VECS = 32 / SUBS;  // nibble vectors per sub-block
     for (int s = 0; s < SUBS; ++s) {
       const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + P.sc + 16 * s)));
       __m512i hv = _mm512_setzero_si512();
-      if constexpr (TYPE == Q6_K) hv = _mm512_loadu_si512(blk + P.hi + 64 * s);
+      if constexpr (P.hi >= 0) hv = _mm512_loadu_si512(blk + P.hi + 64 * s);
       __m512i dot[TB];
       for (int t = 0; t < TB; ++t) dot[t] = _mm512_setzero_si512();
       for (int v = 0; v < VECS; ++v) {
@@ -356,6 +381,10 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
           const __m512i h1 = v == 0 ? _mm512_slli_epi16(hv, 2) : _mm512_srli_epi16(hv, 2);
           lo = _mm512_or_si512(lo, _mm512_and_si512(h0, m30));
           hi = _mm512_or_si512(hi, _mm512_and_si512(h1, m30));
+        }
+        if constexpr (TYPE == Q5_K) {  // values 8v + j and 8v + 4 + j of the sub-block: fifth bits 2v and 2v + 1
+          lo = _mm512_or_si512(lo, fifth_bit(hv, 2 * v));
+          hi = _mm512_or_si512(hi, fifth_bit(hv, 2 * v + 1));
         }
         const int64_t k = b * QK + 8 * (VECS * s + v);
         for (int t = 0; t < TB; ++t) {
@@ -373,7 +402,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
       }
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + P.d)));
-    if constexpr (TYPE == Q4_K) {
+    if constexpr (k_min(TYPE)) {
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + P.dmin)));
       __m512i msum[TB];
       for (int t = 0; t < TB; ++t) msum[t] = _mm512_setzero_si512();
@@ -404,7 +433,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
         unpack_lane(TYPE, blk, l, q, sc, mn, &d, &dmin);
         const int8_t* x = qa + t * K + b * QK;
         int32_t isum = 0, msum = 0;
-        const int sub = TYPE == Q4_K ? 32 : 16;
+        const int sub = k_min(TYPE) ? 32 : 16;
         for (int s = 0; s < QK / sub; ++s) {
           int32_t dot = 0;
           for (int i = sub * s; i < sub * (s + 1); ++i) dot += int32_t(q[i]) * int32_t(x[i]);
@@ -413,7 +442,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
         }
         const float dd = da[t * nb + b];
         acc = std::fma(float(isum), d * dd, acc);
-        if (TYPE == Q4_K) {
+        if (k_min(TYPE)) {
           for (int p = 0; p < 4; ++p) {
             const int32_t pair = bp[t * (K / 64) + 4 * b + p];
             msum += int32_t(mn[4 * p]) * int32_t(int16_t(pair & 0xFFFF)) + int32_t(mn[4 * p + 2]) * int32_t(int16_t(uint32_t(pair) >> 16));
@@ -568,8 +597,8 @@ torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> pa
       const size_t i = std::upper_bound(tile_first.begin(), tile_first.end(), u) - tile_first.begin() - 1;
       const int64_t tile = u - tile_first[i];
       const uint8_t* w = parts[i].data_ptr<uint8_t>() + tile * parts[i].size(1);
-      const int64_t nb = K / layout_of(types[i]).qk;
-      const Acts& a = nb == K / 32 ? a32 : a256;
+      const int64_t qk = layout_of(types[i]).qk, nb = K / qk;
+      const Acts& a = qk == 32 ? a32 : a256;
       switch (types[i]) {
         case Q4_0: tile_all_tokens<Q4_0>(w, nb, a, N, K, acc.data()); break;
         case Q4_1: tile_all_tokens<Q4_1>(w, nb, a, N, K, acc.data()); break;
@@ -577,6 +606,7 @@ torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> pa
         case Q5_1: tile_all_tokens<Q5_1>(w, nb, a, N, K, acc.data()); break;
         case Q8_0: tile_all_tokens<Q8_0>(w, nb, a, N, K, acc.data()); break;
         case Q4_K: tile_all_tokens<Q4_K>(w, nb, a, N, K, acc.data()); break;
+        case Q5_K: tile_all_tokens<Q5_K>(w, nb, a, N, K, acc.data()); break;
         default: tile_all_tokens<Q6_K>(w, nb, a, N, K, acc.data()); break;
       }
       const int64_t r0 = first[i] + tile * LANES, n = std::min(LANES, rows[i] - tile * LANES);
