@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--draft-dtype", default="int4")
     ap.add_argument("--draft-vocab", type=int, default=32768)
-    ap.add_argument("--config", action="append", default=None, help="DTYPE:K[:LOOKUP[:DRAFT_DTYPE]], repeatable (default int8:6 and int4:4:1; the "
+    ap.add_argument("--config", action="append", default=None, help="DTYPE:K[:LOOKUP[:DRAFT_DTYPE]], repeatable, K a number or auto (default int8:6 and int4:4:1; the "
                     "drafter's precision defaults to --draft-dtype)")
     ap.add_argument("--prompts", default="humaneval", help="a prompt set, or several comma-separated")
     ap.add_argument("--limit", type=int, default=2, help="prompts taken from each set")
@@ -65,8 +65,8 @@ def main() -> int:
             drafts[draft_dtype] = LLM(model=args.draft_model, dtype=draft_dtype, progress=False)
         llm = LLM(model=args.model, dtype=dtype, progress=False)  # each config its own (an LLM keeps one drafter)
         options = {"draft_vocab": args.draft_vocab, **({"draft_lookup": int(lookup)} if int(lookup) else {})}
-        spec = SpeculativeConfig(method="draft_model", draft_model=drafts[draft_dtype], num_speculative_tokens=int(k),
-                                 options=options)
+        spec = SpeculativeConfig(method="draft_model", draft_model=drafts[draft_dtype],
+                                 num_speculative_tokens=k if k == "auto" else int(k), options=options)
         name = f"forerun {dtype} verifier, draft_model k={k}" + (f", lookup {lookup}" if int(lookup) else "") + \
             (f", {draft_dtype} drafter" if k != "0" else "")
         configs[name] = (llm, spec)
