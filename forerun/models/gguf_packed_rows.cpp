@@ -58,6 +58,8 @@
 void gguf_quantize_acts(const float* x, int64_t N, int64_t K, int64_t qk, int8_t* qa, float* da,
                         int16_t* bsum);                                                            // gguf_rows.cpp
 float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc, int16_t* mn);  // gguf_rows.cpp
+void gguf_dequant_values(int64_t type, int64_t qk, const uint8_t* q, const int16_t* sc, const int16_t* mn, float d,
+                         float dmin, float* o);                                                    // gguf_rows.cpp
 
 namespace {
 
@@ -131,6 +133,21 @@ inline float f16(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
+// The fifth bits of 32 values q[0..31] into lane l's 4 bytes of a hi vector (byte j: bit o
+// from value 4o + j), and back: Q5_0 / Q5_1 per block, Q5_K per sub-block of 32.
+void pack_fifth_bits(const uint8_t* q, int64_t l, uint8_t* hi) {
+  for (int j = 0; j < 4; ++j) {
+    uint8_t h = 0;
+    for (int o = 0; o < 8; ++o) h |= ((q[4 * o + j] >> 4) & 1) << o;
+    hi[4 * l + j] = h;
+  }
+}
+
+void unpack_fifth_bits(const uint8_t* hi, int64_t l, uint8_t* q) {
+  for (int j = 0; j < 4; ++j)
+    for (int o = 0; o < 8; ++o) q[4 * o + j] |= ((hi[4 * l + j] >> o) & 1) << 4;
+}
+
 // One row's block (the file's bytes `src`) into lane l of a tile-block.
 void pack_lane(int64_t type, const uint8_t* src, int64_t l, uint8_t* dst) {
   uint8_t q[256];
@@ -145,23 +162,13 @@ void pack_lane(int64_t type, const uint8_t* src, int64_t l, uint8_t* dst) {
       for (int j = 0; j < 4; ++j) dst[64 * v + 4 * l + j] = (q[8 * v + j] & 15) | ((q[8 * v + 4 + j] & 15) << 4);
   }
   if (legacy(type)) {  // d (and m) lead the file's block
-    if (P.hi >= 0)
-      for (int j = 0; j < 4; ++j) {
-        uint8_t h = 0;
-        for (int o = 0; o < 8; ++o) h |= ((q[4 * o + j] >> 4) & 1) << o;
-        dst[P.hi + 4 * l + j] = h;
-      }
+    if (P.hi >= 0) pack_fifth_bits(q, l, dst + P.hi);
     std::memcpy(dst + P.d + 2 * l, src, 2);
     if (P.dmin >= 0) std::memcpy(dst + P.dmin + 2 * l, src + 2, 2);
     return;
   }
   if (type == Q5_K)  // sub-block s: the fifth bits of its 32 values, as the legacy types' per 32
-    for (int s = 0; s < 8; ++s)
-      for (int j = 0; j < 4; ++j) {
-        uint8_t h = 0;
-        for (int o = 0; o < 8; ++o) h |= ((q[32 * s + 4 * o + j] >> 4) & 1) << o;
-        dst[P.hi + 64 * s + 4 * l + j] = h;
-      }
+    for (int s = 0; s < 8; ++s) pack_fifth_bits(q + 32 * s, l, dst + P.hi + 64 * s);
   if (k_min(type)) {
     for (int s = 0; s < 8; ++s) dst[P.sc + 16 * s + l] = static_cast<uint8_t>(sc[2 * s]);
     for (int p = 0; p < 4; ++p) {
@@ -201,9 +208,7 @@ void unpack_lane(int64_t type, const uint8_t* blk, int64_t l, uint8_t* q, int16_
   }
   *d = f16(blk + P.d + 2 * l);
   if (legacy(type)) {
-    if (P.hi >= 0)
-      for (int j = 0; j < 4; ++j)
-        for (int o = 0; o < 8; ++o) q[4 * o + j] |= ((blk[P.hi + 4 * l + j] >> o) & 1) << 4;
+    if (P.hi >= 0) unpack_fifth_bits(blk + P.hi, l, q);
     sc[0] = sc[1] = 1;
     mn[0] = mn[1] = P.dmin >= 0 ? 1 : P.off;
     *dmin = P.dmin >= 0 ? -f16(blk + P.dmin + 2 * l) : type == Q8_0 ? 0.f : *d;
@@ -211,9 +216,7 @@ void unpack_lane(int64_t type, const uint8_t* blk, int64_t l, uint8_t* q, int16_
   }
   if (k_min(type)) {  // (Q5_K's scales and mins are 6-bit: unsigned below 64, as int8 too)
     if (type == Q5_K)
-      for (int s = 0; s < 8; ++s)
-        for (int j = 0; j < 4; ++j)
-          for (int o = 0; o < 8; ++o) q[32 * s + 4 * o + j] |= ((blk[P.hi + 64 * s + 4 * l + j] >> o) & 1) << 4;
+      for (int s = 0; s < 8; ++s) unpack_fifth_bits(blk + P.hi + 64 * s, l, q + 32 * s);
     for (int s = 0; s < 16; ++s) sc[s] = static_cast<int8_t>(blk[P.sc + 16 * (s / 2) + l]);
     for (int s = 0; s < 16; ++s) mn[s] = static_cast<int8_t>(blk[P.mn + 32 * (s / 4) + 2 * l + (s / 2) % 2]);
     *dmin = f16(blk + P.dmin + 2 * l);
@@ -261,9 +264,28 @@ Acts quantize(const float* x, int64_t N, int64_t K, int64_t qk) {
 }
 
 #ifdef FORERUN_GGUF_VNNI
+// Ask for the tile-block `bytes` after this one's start PREFETCH_BYTES ahead (see above).
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* blk, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + c), _MM_HINT_T1);
+}
+
+// One nibble vector's two operands against TB tokens: lo holds inputs k..k+3 of the 16 rows,
+// hi inputs k+4..k+7; a points at token 0's input k (tokens K apart).
+template <int TB>
+__attribute__((always_inline)) inline void nibble_pair_dots(__m512i lo, __m512i hi, const int8_t* a, int64_t K, __m512i* dot) {
+  for (int t = 0; t < TB; ++t) {
+    int32_t a0, a1;
+    std::memcpy(&a0, a + t * K, 4);
+    std::memcpy(&a1, a + t * K + 4, 4);
+    dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(a0));
+    dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(a1));
+  }
+}
+
 // Bit `bit` of every byte of h moved to 16 (16-bit lanes shifted by at most 4 left or 3 right:
 // no bit crosses into the next byte), the rest 0: a fifth bit as Q5_0 / Q5_1 / Q5_K add it.
-inline __m512i fifth_bit(__m512i h, int bit) {
+__attribute__((always_inline)) inline __m512i fifth_bit(__m512i h, int bit) {
   return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(h, 4 - bit) : _mm512_srli_epi16(h, bit - 4), _mm512_set1_epi8(16));
 }
 #endif
@@ -280,8 +302,7 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * P.bytes;
-    for (int64_t c = 0; c < P.bytes; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + c), _MM_HINT_T1);
+    prefetch_ahead(blk, P.bytes);
     __m512i dot[TB];
     for (int t = 0; t < TB; ++t) dot[t] = _mm512_setzero_si512();
     const int8_t* xb = qa + b * 32;
@@ -304,13 +325,7 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
           lo = _mm512_or_si512(lo, fifth_bit(hv, 2 * v));
           hi = _mm512_or_si512(hi, fifth_bit(hv, 2 * v + 1));
         }
-        for (int t = 0; t < TB; ++t) {
-          int32_t a0, a1;
-          std::memcpy(&a0, xb + t * K + 8 * v, 4);
-          std::memcpy(&a1, xb + t * K + 8 * v + 4, 4);
-          dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(a0));
-          dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(a1));
-        }
+        nibble_pair_dots<TB>(lo, hi, xb + 8 * v, K, dot);
       }
     }
     constexpr int32_t OFF = TYPE == Q8_0 ? 128 : int32_t(P.off);
@@ -362,8 +377,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * P.bytes;
-    for (int64_t c = 0; c < P.bytes; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + c), _MM_HINT_T1);
+    prefetch_ahead(blk, P.bytes);
     __m512i isum[TB];
     for (int t = 0; t < TB; ++t) isum[t] = _mm512_setzero_si512();
     constexpr int SUBS = k_min(TYPE) ? 8 : 16, VECS = 32 / SUBS;  // nibble vectors per sub-block
@@ -386,14 +400,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
           lo = _mm512_or_si512(lo, fifth_bit(hv, 2 * v));
           hi = _mm512_or_si512(hi, fifth_bit(hv, 2 * v + 1));
         }
-        const int64_t k = b * QK + 8 * (VECS * s + v);
-        for (int t = 0; t < TB; ++t) {
-          int32_t a0, a1;
-          std::memcpy(&a0, qa + t * K + k, 4);
-          std::memcpy(&a1, qa + t * K + k + 4, 4);
-          dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(a0));
-          dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(a1));
-        }
+        nibble_pair_dots<TB>(lo, hi, qa + b * QK + 8 * (VECS * s + v), K, dot);
       }
       for (int t = 0; t < TB; ++t) {
         __m512i d = dot[t];
@@ -541,7 +548,6 @@ torch::Tensor gguf_packed_dequant(torch::Tensor w, int64_t type, torch::Tensor i
   const int64_t n = idx.numel(), nb = K / P.qk;
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < w.size(0) * LANES, "gguf_packed_dequant: id ", ip[j], " out of range");
-  const int offset = type == Q6_K ? 32 : int(P.off);  // d * (q - offset): ggml's order (gguf_dequant_rows)
   auto out = torch::empty({n, K}, torch::kFloat32);
   float* op = out.data_ptr<float>();
   const uint8_t* base = w.data_ptr<uint8_t>();
@@ -552,13 +558,7 @@ torch::Tensor gguf_packed_dequant(torch::Tensor w, int64_t type, torch::Tensor i
     for (int64_t j = j0; j < j1; ++j)
       for (int64_t b = 0; b < nb; ++b) {
         unpack_lane(type, base + (ip[j] / LANES) * nb * P.bytes + b * P.bytes, ip[j] % LANES, q, sc, mn, &d, &dmin);
-        float* o = op + j * K + b * P.qk;
-        for (int i = 0; i < P.qk; ++i) {
-          const float ds = d * float(sc[i / 16]);
-          o[i] = type == Q8_0 ? ds * float(int8_t(q[i]))
-                 : offset     ? ds * float(int(q[i]) - offset)
-                              : ds * float(q[i]) - dmin * float(mn[i / 16]);
-        }
+        gguf_dequant_values(type, P.qk, q, sc, mn, d, dmin, op + j * K + b * P.qk);
       }
   });
   return out;

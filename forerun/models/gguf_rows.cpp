@@ -463,6 +463,22 @@ float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc,
   return decode_block(type, p, q, sc, mn).d;
 }
 
+// A decoded block's qk values as float32 (q, sc / mn per 16, d, dmin as decode_block gives them):
+// ggml's dequantization, bit for bit. Shared with gguf_packed_rows.cpp's gguf_packed_dequant.
+void gguf_dequant_values(int64_t type, int64_t qk, const uint8_t* q, const int16_t* sc, const int16_t* mn, float d,
+                         float dmin, float* o) {
+  const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
+  for (int64_t i = 0; i < qk; ++i) {
+    const float ds = d * float(sc[i / 16]);
+    if (type == Q8_0)
+      o[i] = ds * float(int8_t(q[i]));
+    else if (offset)  // d * (q - offset): the order ggml's reference uses (the same bits)
+      o[i] = ds * float(int(q[i]) - offset);
+    else
+      o[i] = ds * float(q[i]) - dmin * float(mn[i / 16]);
+  }
+}
+
 // x [..., K] float32; parts: uint8 [rows_i, K / qk_i * bytes_i] of block types types[i]; the
 // output [..., sum rows_i] holds the parts' rows in order (+ bias [sum rows_i] when given).
 torch::Tensor gguf_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
@@ -531,7 +547,6 @@ torch::Tensor gguf_dequant_rows(torch::Tensor w, int64_t type, torch::Tensor ids
   auto out = torch::empty({n, K}, torch::kFloat32);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < rows, "gguf_dequant_rows: id ", ip[j], " out of range");
-  const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
   const uint8_t* base = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
@@ -539,16 +554,7 @@ torch::Tensor gguf_dequant_rows(torch::Tensor w, int64_t type, torch::Tensor ids
     for (int64_t j = j0; j < j1; ++j) {
       for (int64_t b = 0; b < K / L.qk; ++b) {
         blk.decode(type, base + ip[j] * w.size(1) + b * L.bytes, L.qk, vector);
-        float* o = op + j * K + b * L.qk;
-        for (int64_t i = 0; i < L.qk; ++i) {
-          const float ds = blk.d * float(blk.sc[i / 16]);
-          if (type == Q8_0)
-            o[i] = ds * float(int8_t(blk.q[i]));
-          else if (offset)  // d * (q - offset): the order ggml's reference uses (the same bits)
-            o[i] = ds * float(int(blk.q[i]) - offset);
-          else
-            o[i] = ds * float(blk.q[i]) - blk.dmin * float(blk.mn[i / 16]);
-        }
+        gguf_dequant_values(type, L.qk, blk.q, blk.sc, blk.mn, blk.d, blk.dmin, op + j * K + b * L.qk);
       }
     }
   });
