@@ -75,6 +75,9 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
         drafter.start(len(seqs), capacity, cache)
     t0 = time.perf_counter()
     prefill(model, cache, seqs, drafter)
+    feed_drafter = getattr(drafter, "observe_prompts", None)
+    if feed_drafter is not None:  # a draft model's own cache takes the prompts in the prefill too
+        feed_drafter([(s.row, s.tokens) for s in seqs])
     t_prefill = time.perf_counter() - t0
     active = list(seqs)
     while active:

@@ -129,3 +129,22 @@ def test_an_int4_q4k_head_keeps_its_kept_rows_blocks():
     sub = reduced_head(SpeculativeConfig("draft_model", 4, options={"draft_vocab": 12}), llm, 64).head.head
     assert [p.type for p in sub.parts] == [12]
     assert torch.equal(sub.weight, llm.model.lm_head.float_rows(torch.arange(12)))
+
+
+def test_prompts_are_written_in_the_prefill():
+    """generate hands the draft model the prompts in its prefill (as the verifier's): the
+    first drafting step then feeds one token (plus the lookup's guesses), and the output is
+    plain decoding's."""
+    verifier = LLM(tiny_model(seed=0, num_hidden_layers=3))
+    draft = LLM(tiny_model(seed=0, num_hidden_layers=2))
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    plain = [o.token_ids for o in verifier.generate(PROMPTS, greedy, speculative=None)]
+    spec = SpeculativeConfig("draft_model", 3, draft_model=draft)
+    drafter = verifier._drafter(spec)
+    widths, forward = [], draft.model.forward
+    draft.model.forward = lambda batch, *a, **kw: widths.append(batch.tokens.shape[1]) or forward(batch, *a, **kw)
+    outs = verifier.generate(PROMPTS, greedy, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    assert drafter.prompt_seconds > 0 and drafter.fed_tokens >= sum(len(p) - 1 for p in PROMPTS)
+    first_step = widths.index(1)  # after the prefill's forwards (their width: the longest prompt but one)
+    assert widths[:first_step] == [max(len(p) for p in PROMPTS) - 1] and max(widths[first_step:]) <= 2

@@ -115,6 +115,8 @@ class Drafter(Protocol):
     # (before the accepted tokens are committed), e.g. to update a Jacobi window.
     # Optional: `observe_hidden(rows: list[HiddenRows])`: having it is how a drafter asks for
     # the verifier's hidden states; called after prefill and after each verification.
+    # Optional: `observe_prompts([(row, prompt tokens)])`: generate's prefill hands a drafter
+    # with its own cache the prompts (timed as prefill); the server's rows feed them lazily.
 
 
 DrafterFactory = Callable[..., Drafter]
