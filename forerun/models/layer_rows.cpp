@@ -64,9 +64,12 @@ torch::Tensor decoder_layer_rows(torch::Tensor x, const KernelLinear& qkv, const
                                  const KernelLinear& gate_up, const KernelLinear& down, torch::Tensor cos,
                                  torch::Tensor sin, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
                                  torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale) {
-  const auto h = x + o(rope_write_attend(qkv(x), cos, sin, k, v, rows, slots, heads, kv_heads, scale));
-  const auto gu = gate_up(h).chunk(2, -1);
-  return h + down(at::silu(gu[0]) * gu[1]);
+  // Fresh outputs are added to in place and gate / up are narrowed, not chunked: the same
+  // values (float addition commutes), fewer allocations and dispatches.
+  const auto h = o(rope_write_attend(qkv(x), cos, sin, k, v, rows, slots, heads, kv_heads, scale)).add_(x);
+  const auto gu = gate_up(h);
+  const int64_t inter = gu.size(-1) / 2;
+  return down(at::silu(gu.narrow(-1, 0, inter)).mul_(gu.narrow(-1, inter, inter))).add_(h);
 }
 
 void bind_layer_rows(pybind11::module& m) {
