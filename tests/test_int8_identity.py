@@ -138,6 +138,39 @@ def test_wide_batches_keep_the_bits(verifier):
 
 
 @pytest.mark.parametrize("head_dim", [64, 8])  # the vector path and the plain C++ one
+def test_a_query_gets_its_bits_in_any_group(head_dim):
+    """The queries of a KV head's query heads go over its keys together, 256 keys at a time:
+    a query's output is the one it gets alone (one head, one query, its KV head only) and
+    the same with one thread (another split of the groups), over key counts across chunks."""
+    import torch
+    import torch.nn.functional as F
+
+    kernel = int8_kernel.load()
+    g = torch.Generator().manual_seed(4)
+    cap, s0, T, H, Hkv = 1100, 700, 3, 6, 2
+    k, v = torch.randn(1, Hkv, cap, head_dim, generator=g), torch.randn(1, Hkv, cap, head_dim, generator=g)
+    q = torch.randn(1, H, T, head_dim, generator=g)
+    limits = torch.tensor([[s0 + 1, s0 + 2, 513]])  # odd and even counts, past 2 chunk ends, one at 2 chunks + 1
+    rows = torch.tensor([0])
+    out = kernel.attend_prefix(q, k, v, rows, limits, head_dim**-0.5)
+    for h in range(H):
+        kv = h // (H // Hkv)
+        for t in range(T):
+            alone = kernel.attend_prefix(q[:, h : h + 1, t : t + 1].contiguous(), k[:, kv : kv + 1].contiguous(),
+                                         v[:, kv : kv + 1].contiguous(), rows, limits[:, t : t + 1], head_dim**-0.5)
+            assert torch.equal(alone[0, 0, 0], out[0, h, t])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.attend_prefix(q, k, v, rows, limits, head_dim**-0.5), out)
+    finally:
+        torch.set_num_threads(threads)
+    mask = torch.arange(cap)[None, :] < limits[0][:, None]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out, ref, atol=2e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 8])  # the vector path and the plain C++ one
 def test_prefix_attention_is_per_query_and_matches_sdpa(head_dim):
     """Each query's output is bit-identical whether computed alone or among T queries,
     and equal to SDPA with the chain mask up to float rounding."""

@@ -1,7 +1,9 @@
-// Chain attention for a few new tokens, one query at a time (the int8, int4 and float32
-// CPU models): each (row, head, query) is computed alone, in the same order for any number
-// of queries, so scoring k drafted tokens at once gives each the bits that scoring it alone
-// would (SDPA's kernels tile queries together, so their bits depend on the batch).
+// Chain attention for a few new tokens (the int8, int4, gguf and float32 CPU models): each
+// (row, head, query) gets its own arithmetic, in the same order for any number of queries,
+// so scoring k drafted tokens at once gives each the bits that scoring it alone would
+// (SDPA's kernels tile queries together, so their bits depend on the batch). The queries of
+// a KV head's query heads go over its keys together, a chunk at a time (attend_group_avx512),
+// so K and V are read from memory once per KV head rather than once per query.
 //
 // attend_prefix: the attention alone. rope_write_attend: a whole attention layer between
 // its q/k/v linear and its output linear (RoPE, the KV cache write, attention) in one call,
@@ -64,41 +66,21 @@ static inline void dots(const float* a, const float* b, int64_t D, float* out) {
 }
 
 #ifdef FORERUN_VNNI
-// One query's attention over keys [0, L), AVX512, D = 16 V. Fixed instruction sequence for
-// a given (L, D); V is a template argument so the query and accumulators stay in registers.
-// A key's score is one FMA chain over D then one horizontal sum, whichever block of keys
-// it is computed in (8 keys in flight hide the FMA latency). IDX: the query sees the keys
-// at rows idx[0 .. L) (a token tree's prefix and ancestors, in slot order) instead of rows
-// 0 .. L: the same arithmetic over that list, so a tree node gets the bits its chain would.
-template <int V, bool IDX>
-static void attend_one_avx512(const float* qv, const float* kb, const float* vb, int64_t L, float scale, float* p,
-                              float* o, const int32_t* idx) {
-  constexpr int64_t D = 16 * V;
-  auto key = [&](int64_t j) -> int64_t { return IDX ? idx[j] : j; };
-  __m512 qr[V];
-  for (int c = 0; c < V; ++c) qr[c] = _mm512_loadu_ps(qv + 16 * c);
-  int64_t j = 0;
-  for (; j + 8 <= L; j += 8) {
-    __m512 a[8];
-    for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
-    const float* kr[8];
-    for (int r = 0; r < 8; ++r) kr[r] = kb + key(j + r) * D;
-    for (int c = 0; c < V; ++c)
-      for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr[r] + 16 * c), a[r]);
-    for (int r = 0; r < 8; ++r) p[j + r] = _mm512_reduce_add_ps(a[r]) * scale;
-  }
-  for (; j < L; ++j) {
-    __m512 a0 = _mm512_setzero_ps();
-    for (int c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + key(j) * D + 16 * c), a0);
-    p[j] = _mm512_reduce_add_ps(a0) * scale;
-  }
+// Keys per pass of a group (below): 256 keys of K or V at D = 128 are 128 KB, which stay in
+// L2 while every query of the group reads them.
+constexpr int64_t KEY_CHUNK = 256;
+
+// Softmax in place over p [0, L): the max, exp(p - max) (exp_nonpositive, 16 lanes at a
+// time, the scalar tail after), and the sum of the exps, returned.
+static float softmax_avx512(float* p, int64_t L) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (j = 0; j + 16 <= L; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(p + j));
+  int64_t j = 0;
+  for (; j + 16 <= L; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(p + j));
   float m = _mm512_reduce_max_ps(mx);
   for (; j < L; ++j) m = std::max(m, p[j]);
   const __m512 vm = _mm512_set1_ps(m);
   __m512 sum_v = _mm512_setzero_ps();
-  for (j = 0; j + 16 <= L; j += 16) {  // exp_nonpositive, 16 lanes at a time
+  for (j = 0; j + 16 <= L; j += 16) {
     const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(p + j), vm), _mm512_set1_ps(-87.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
     const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -120,27 +102,111 @@ static void attend_one_avx512(const float* qv, const float* kb, const float* vb,
     p[j] = exp_nonpositive(p[j] - m);
     sum += p[j];
   }
-  __m512 acc0[V], acc1[V];
-  for (int c = 0; c < V; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
-  for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
-    const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-    const float *v0 = vb + key(j) * D, *v1 = vb + key(j + 1) * D;
-    for (int c = 0; c < V; ++c) {
-      acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc0[c]);
-      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), acc1[c]);
+  return sum;
+}
+
+// The attention of G queries that share one KV head (a GQA group's heads, each with its T
+// queries), AVX512, D = 16 V. Query g sees keys [0, L[g]) (or, IDX, the keys at rows
+// idx[g][0 .. L[g])). Keys are taken KEY_CHUNK at a time and every query of the group goes
+// over a chunk before the next one is read, so K and V come from memory once per group, not
+// once per query (at 2048 keys the 1.5B's K and V are 2 MB a KV head). Each query's
+// arithmetic is the one-query sequence whatever G and wherever the chunks fall:
+//   score j: one FMA chain over D, one horizontal sum, times scale (8 keys in flight);
+//   softmax over all its scores (softmax_avx512);
+//   out: two FMA chains over its keys (even / odd; the last odd key into the even one), the
+//        chains kept in acc between chunks, joined at the end, times 1 / sum.
+// p: G x stride floats, acc: G x 2 D floats (scratch).
+template <int V, bool IDX>
+static void attend_group_avx512(int64_t G, const float* const* qv, const int64_t* L, const float* kb, const float* vb,
+                                float scale, float* p, int64_t stride, float* acc, float* const* o,
+                                const int32_t* const* idx) {
+  constexpr int64_t D = 16 * V;
+  int64_t Lmax = 0;
+  for (int64_t g = 0; g < G; ++g) Lmax = std::max(Lmax, L[g]);
+  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t j1 = std::min(j0 + KEY_CHUNK, L[g]);
+      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
+      float* pg = p + g * stride;
+      __m512 qr[V];
+      for (int c = 0; c < V; ++c) qr[c] = _mm512_loadu_ps(qv[g] + 16 * c);
+      int64_t j = j0;
+      for (; j + 8 <= j1; j += 8) {
+        __m512 a[8];
+        for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
+        const float* kr[8];
+        for (int r = 0; r < 8; ++r) kr[r] = kb + key(j + r) * D;
+        for (int c = 0; c < V; ++c)
+          for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr[r] + 16 * c), a[r]);
+        for (int r = 0; r < 8; ++r) pg[j + r] = _mm512_reduce_add_ps(a[r]) * scale;
+      }
+      for (; j < j1; ++j) {
+        __m512 a0 = _mm512_setzero_ps();
+        for (int c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + key(j) * D + 16 * c), a0);
+        pg[j] = _mm512_reduce_add_ps(a0) * scale;
+      }
     }
+  std::vector<float> sums(G);
+  for (int64_t g = 0; g < G; ++g) {
+    sums[g] = softmax_avx512(p + g * stride, L[g]);
+    std::fill(acc + g * 2 * D, acc + (g + 1) * 2 * D, 0.f);
   }
-  if (j < L) {
-    const __m512 p0 = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < V; ++c) acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + key(j) * D + 16 * c), acc0[c]);
+  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK)  // (KEY_CHUNK is even: the pairs stay pairs)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t j1 = std::min(j0 + KEY_CHUNK, L[g]);
+      if (j0 >= j1) continue;
+      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
+      const float* pg = p + g * stride;
+      float* ag = acc + g * 2 * D;
+      __m512 acc0[V], acc1[V];
+      for (int c = 0; c < V; ++c) {
+        acc0[c] = _mm512_loadu_ps(ag + 16 * c);
+        acc1[c] = _mm512_loadu_ps(ag + D + 16 * c);
+      }
+      int64_t j = j0;
+      for (; j + 2 <= j1; j += 2) {
+        const __m512 p0 = _mm512_set1_ps(pg[j]), p1 = _mm512_set1_ps(pg[j + 1]);
+        const float *v0 = vb + key(j) * D, *v1 = vb + key(j + 1) * D;
+        for (int c = 0; c < V; ++c) {
+          acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc0[c]);
+          acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), acc1[c]);
+        }
+      }
+      if (j < j1) {  // the last key of an odd L[g]
+        const __m512 p0 = _mm512_set1_ps(pg[j]);
+        for (int c = 0; c < V; ++c) acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + key(j) * D + 16 * c), acc0[c]);
+      }
+      for (int c = 0; c < V; ++c) {
+        _mm512_storeu_ps(ag + 16 * c, acc0[c]);
+        _mm512_storeu_ps(ag + D + 16 * c, acc1[c]);
+      }
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
+    const float* ag = acc + g * 2 * D;
+    for (int c = 0; c < V; ++c)
+      _mm512_storeu_ps(o[g] + 16 * c,
+                       _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(ag + 16 * c), _mm512_loadu_ps(ag + D + 16 * c)), inv));
   }
-  const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc0[c], acc1[c]), inv));
+}
+
+// attend_group_avx512 for D = 16 V, V = 1 .. 16; false for other head sizes.
+template <bool IDX, int V = 1>
+static bool attend_group_d(int64_t D, int64_t G, const float* const* qv, const int64_t* L, const float* kb,
+                           const float* vb, float scale, float* p, int64_t stride, float* acc, float* const* o,
+                           const int32_t* const* idx) {
+  if constexpr (V > 16) {
+    return false;
+  } else {
+    if (D != 16 * V) return attend_group_d<IDX, V + 1>(D, G, qv, L, kb, vb, scale, p, stride, acc, o, idx);
+    attend_group_avx512<V, IDX>(G, qv, L, kb, vb, scale, p, stride, acc, o, idx);
+    return true;
+  }
 }
 #endif
 
 // The same attention in plain C++ (any D; every ISA). p [L], acc0 / acc1 [D]: scratch;
-// idx as in attend_one_avx512 (nullptr: keys 0 .. L).
+// idx: the rows of the L keys, as in attend_group_avx512 (nullptr: keys 0 .. L).
 static void attend_one_scalar(const float* qv, const float* kb, const float* vb, int64_t L, int64_t D, float scale,
                               float* p, float* acc0, float* acc1, float* o, const int32_t* idx) {
   auto key = [&](int64_t j) -> int64_t { return idx ? idx[j] : j; };
@@ -178,55 +244,42 @@ static void attend_one_scalar(const float* qv, const float* kb, const float* vb,
   for (int64_t d = 0; d < D; ++d) o[d] = (acc0[d] + acc1[d]) * inv;
 }
 
-// Per-thread scratch for one query at a time.
-struct Scratch {
-  std::vector<float> p, acc0, acc1;
-  Scratch(int64_t cap, int64_t D) : p(cap), acc0(D), acc1(D) {}
+// The queries of one GQA group (or part of one), all reading the same KV head: query g's
+// vector q[g], its key count L[g] (and, for a token tree, the keys' rows idx[g]), output o[g].
+struct Group {
+  std::vector<const float*> q;
+  std::vector<int64_t> L;
+  std::vector<float*> o;
+  std::vector<const int32_t*> idx;
+  void add(const float* qv, int64_t n, float* out, const int32_t* rows = nullptr) {
+    q.push_back(qv);
+    L.push_back(n);
+    o.push_back(out);
+    idx.push_back(rows);
+  }
 };
 
-// One query's attention over keys [0, L) of one cache row and KV head (kb, vb [cap, D]), or
-// over the keys at rows idx[0 .. L) when idx is given (IDX).
+// Per-thread scratch: scores (a row of cap per query) and the output's two chains.
+struct Scratch {
+  std::vector<float> p, acc;
+};
+
+// A group's attention over kb, vb [cap, D]: AVX512 where D is a multiple of 16 up to 256,
+// else query by query in plain C++.
 template <bool IDX>
-static void attend_one(const float* qv, const float* kb, const float* vb, int64_t L, int64_t D, float scale,
-                       Scratch& s, float* o, const int32_t* idx = nullptr) {
+static void attend_group(const Group& grp, const float* kb, const float* vb, int64_t D, int64_t cap, float scale,
+                         Scratch& s) {
+  const int64_t G = static_cast<int64_t>(grp.q.size());
+  s.p.resize(G * cap);
+  s.acc.resize(G * 2 * D);
 #ifdef FORERUN_VNNI
-  switch (D) {  // every multiple of 16 up to 256; other head sizes take the plain C++ path
-    case 16: return IDX ? attend_one_avx512<1, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<1, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 32: return IDX ? attend_one_avx512<2, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<2, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 48: return IDX ? attend_one_avx512<3, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<3, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 64: return IDX ? attend_one_avx512<4, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<4, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 80: return IDX ? attend_one_avx512<5, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<5, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 96: return IDX ? attend_one_avx512<6, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<6, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 112: return IDX ? attend_one_avx512<7, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<7, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 128: return IDX ? attend_one_avx512<8, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<8, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 144: return IDX ? attend_one_avx512<9, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<9, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 160: return IDX ? attend_one_avx512<10, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<10, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 176: return IDX ? attend_one_avx512<11, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<11, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 192: return IDX ? attend_one_avx512<12, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<12, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 208: return IDX ? attend_one_avx512<13, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<13, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 224: return IDX ? attend_one_avx512<14, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<14, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 240: return IDX ? attend_one_avx512<15, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<15, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    case 256: return IDX ? attend_one_avx512<16, true>(qv, kb, vb, L, scale, s.p.data(), o, idx)
-                   : attend_one_avx512<16, false>(qv, kb, vb, L, scale, s.p.data(), o, idx);
-    default: break;
-  }
+  if (attend_group_d<IDX>(D, G, grp.q.data(), grp.L.data(), kb, vb, scale, s.p.data(), cap, s.acc.data(),
+                          grp.o.data(), grp.idx.data()))
+    return;
 #endif
-  attend_one_scalar(qv, kb, vb, L, D, scale, s.p.data(), s.acc0.data(), s.acc1.data(), o, IDX ? idx : nullptr);
+  for (int64_t g = 0; g < G; ++g)
+    attend_one_scalar(grp.q[g], kb, vb, grp.L[g], D, scale, s.p.data(), s.acc.data(), s.acc.data() + D, grp.o[g],
+                      IDX ? grp.idx[g] : nullptr);
 }
 
 static void check_cache(const torch::Tensor& k, const torch::Tensor& v) {
@@ -243,17 +296,22 @@ static torch::Tensor cache_rows(const torch::Tensor& rows, int64_t B, const torc
   return r;
 }
 
-// body(b, h, kb, vb, scratch) for every batch entry b and query head h, in parallel; kb / vb
-// point at the K / V of b's cache row (rp[b]) for h's KV head.
+// body(b, h0, h1, kb, vb, scratch) for every batch entry b and run of query heads
+// [h0, h1) sharing one KV head, in parallel; kb / vb point at the K / V of b's cache row
+// (rp[b]) for that KV head. A KV head's query heads form one run, or several when there
+// are fewer (b, KV head) pairs than threads.
 template <class Body>
-static void for_each_head(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64_t D, const int64_t* rp,
-                          const float* kp, const float* vp, Body body) {
-  const int64_t group = H / Hkv;
-  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
-    Scratch s(cap, D);
-    for (int64_t bh = bh0; bh < bh1; ++bh) {
-      const int64_t b = bh / H, h = bh % H, at = (rp[b] * Hkv + h / group) * cap * D;
-      body(b, h, kp + at, vp + at, s);
+static void for_each_group(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64_t D, const int64_t* rp,
+                           const float* kp, const float* vp, Body body) {
+  const int64_t group = H / Hkv, pairs = B * Hkv;
+  const int64_t parts = std::min<int64_t>(group, (at::get_num_threads() + pairs - 1) / pairs);
+  const int64_t per = (group + parts - 1) / parts;
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t u0, int64_t u1) {
+    Scratch s;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / (Hkv * parts), kvh = u / parts % Hkv, h0 = kvh * group + u % parts * per;
+      const int64_t h1 = std::min(h0 + per, (kvh + 1) * group);
+      if (h0 < h1) body(b, h0, h1, kp + (rp[b] * Hkv + kvh) * cap * D, vp + (rp[b] * Hkv + kvh) * cap * D, s);
     }
   });
 }
@@ -279,12 +337,14 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "a query must see between 1 and capacity keys");
-  for_each_head(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                [&](int64_t b, int64_t h, const float* kb, const float* vb, Scratch& s) {
-                  for (int64_t t = 0; t < T; ++t)
-                    attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, lp[b * T + t], D, scale, s,
-                                      op + ((b * H + h) * T + t) * D);
-                });
+  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                 [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
+                   Group grp;
+                   for (int64_t h = h0; h < h1; ++h)
+                     for (int64_t t = 0; t < T; ++t)
+                       grp.add(qp + ((b * H + h) * T + t) * D, lp[b * T + t], op + ((b * H + h) * T + t) * D);
+                   attend_group<false>(grp, kb, vb, D, cap, scale, s);
+                 });
   return out;
 }
 
@@ -337,10 +397,14 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
     }
   });
   const float scale = static_cast<float>(scale_d);
-  for_each_head(B, H, Hkv, cap, D, rp, kp, vp, [&](int64_t b, int64_t h, const float* kb, const float* vb, Scratch& s) {
-    for (int64_t t = 0; t < T; ++t)
-      attend_one<false>(qp + ((b * H + h) * T + t) * D, kb, vb, sp[b * T + t] + 1, D, scale, s, op + (b * T + t) * H * D + h * D);
-  });
+  for_each_group(B, H, Hkv, cap, D, rp, kp, vp,
+                 [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
+                   Group grp;
+                   for (int64_t h = h0; h < h1; ++h)
+                     for (int64_t t = 0; t < T; ++t)
+                       grp.add(qp + ((b * H + h) * T + t) * D, sp[b * T + t] + 1, op + (b * T + t) * H * D + h * D);
+                   attend_group<false>(grp, kb, vb, D, cap, scale, s);
+                 });
   return out;
 }
 
@@ -374,13 +438,16 @@ torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   auto out = torch::empty({B, H, T, D}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for_each_head(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                [&](int64_t b, int64_t h, const float* kb, const float* vb, Scratch& s) {
-                  for (int64_t t = 0; t < T; ++t) {
-                    const auto& idx = seen[b * T + t];
-                    attend_one<true>(qp + ((b * H + h) * T + t) * D, kb, vb, static_cast<int64_t>(idx.size()), D,
-                                     scale, s, op + ((b * H + h) * T + t) * D, idx.data());
-                  }
-                });
+  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                 [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
+                   Group grp;
+                   for (int64_t h = h0; h < h1; ++h)
+                     for (int64_t t = 0; t < T; ++t) {
+                       const auto& idx = seen[b * T + t];
+                       grp.add(qp + ((b * H + h) * T + t) * D, static_cast<int64_t>(idx.size()),
+                               op + ((b * H + h) * T + t) * D, idx.data());
+                     }
+                   attend_group<true>(grp, kb, vb, D, cap, scale, s);
+                 });
   return out;
 }
