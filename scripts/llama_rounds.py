@@ -60,7 +60,10 @@ def main() -> int:
     configs = {}
     drafts = {}  # one drafter per precision, shared by the configs
     for item in args.config or ["int8:6", "int4:4:1"]:
-        dtype, k, lookup, draft_dtype = (item.split(":") + ["0", args.draft_dtype][len(item.split(":")) - 2:])[:4]
+        parts = item.split(":")
+        dtype, k = parts[:2]
+        lookup = parts[2] if len(parts) > 2 else "0"
+        draft_dtype = parts[3] if len(parts) > 3 else args.draft_dtype
         if draft_dtype not in drafts:
             drafts[draft_dtype] = LLM(model=args.draft_model, dtype=draft_dtype, progress=False)
         llm = LLM(model=args.model, dtype=dtype, progress=False)  # each config its own (an LLM keeps one drafter)

@@ -27,7 +27,7 @@ from forerun.drafters.draft_vocab import for_rows, forget_row, reduced_head, res
 from forerun.drafters.ngram import find_continuation
 from forerun.errors import ConfigError
 from forerun.kv_cache import KVCache, chain_batch
-from forerun.prefill import PrefixWrite, feed_all_but_last, write_prefixes
+from forerun.prefill import feed_all_but_last
 from forerun.sampling import draw, sample_many
 
 
@@ -83,14 +83,14 @@ class DraftModelDrafter:
         speculative example evaluates the prompt with both models before decoding too), so
         the first drafting step feeds one token like every other and the prompt's cost is
         counted as prefill, not as drafting."""
-        feeds = [(row, toks[:-1]) for row, toks in prompts if len(toks) > 1 and row not in self.synced]
+        feeds = [(row, toks) for row, toks in prompts if len(toks) > 1 and row not in self.synced]
         if not feeds:
             return
         t0 = time.perf_counter()
-        write_prefixes(self.model, self.cache, [PrefixWrite(row, 0, toks) for row, toks in feeds])
+        feed_all_but_last(self.model, self.cache, [row for row, _ in feeds], [(0, toks) for _, toks in feeds])
         for row, toks in feeds:
-            self.synced[row], self.tail[row] = len(toks), []
-        self.fed_tokens += sum(len(toks) for _, toks in feeds)
+            self.synced[row], self.tail[row] = len(toks) - 1, []
+        self.fed_tokens += sum(len(toks) - 1 for _, toks in feeds)
         self.prompt_seconds += time.perf_counter() - t0
 
     def unfed(self, row: int, tokens: list[int]) -> int:
