@@ -294,6 +294,12 @@ def test_a_gguf_layer_in_one_call_gives_the_op_by_op_bits(verifier):
     assert len(calls) == 4 * len(fused.model.layers)
 
 
+def test_gguf_layers_in_one_call_give_the_layer_by_layer_bits(tiny_gguf):
+    from tests.test_int8_identity import assert_stack_gives_layer_bits
+
+    assert_stack_gives_layer_bits(LLM(str(tiny_gguf), dtype="gguf", progress=False).model)
+
+
 def test_gguf_logits_follow_the_float32_model_of_the_same_file(tiny_gguf, verifier):
     """float32 computes the file's dequantized weights exactly; gguf differs only by its
     8-bit activations (and llama.cpp's q/k row order is undone the same way on both paths)."""

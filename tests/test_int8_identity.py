@@ -241,6 +241,7 @@ def test_a_layer_in_one_call_gives_the_op_by_op_bits(dtype):
     import copy
 
     fused = LLM(tiny_model(seed=5, dtype=dtype, hidden_size=64, intermediate_size=128), dtype=dtype).model
+    fused.layer_stack = None  # layer by layer (the stack's own test is below)
     calls = []
     for layer in fused.model.layers:
         assert layer.fused_block is not None
@@ -250,6 +251,26 @@ def test_a_layer_in_one_call_gives_the_op_by_op_bits(dtype):
         layer.fused_block = None
     _assert_same_chain_logits(fused, plain)
     assert len(calls) == 4 * len(fused.model.layers)  # every forward: the prompts and the three steps
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_the_layers_in_one_call_give_the_layer_by_layer_bits(dtype):
+    """LayerStack (layer_rows.cpp) runs every layer's one call from one call: the same
+    logits as calling the layers from Python, and the path chain forwards take."""
+    assert_stack_gives_layer_bits(LLM(tiny_model(seed=5, dtype=dtype, hidden_size=64, intermediate_size=128),
+                                      dtype=dtype).model)
+
+
+def assert_stack_gives_layer_bits(fused):
+    import copy
+
+    stack, calls = fused.layer_stack, []
+    assert stack is not None
+    fused.layer_stack = lambda *a: calls.append(1) or stack(*a)
+    plain = copy.deepcopy(fused)
+    assert plain.layer_stack is None  # a copy runs layer by layer until its own stack is bound
+    _assert_same_chain_logits(fused, plain)
+    assert len(calls) == 4  # every forward: the prompts and the three steps
 
 
 def _assert_same_chain_logits(a, b):

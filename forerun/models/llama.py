@@ -211,7 +211,12 @@ class LlamaForCausalLM(DecoderBase):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.layer_stack = None  # every layer in one compiled call (layer_rows.cpp), set by use_int8_kernels
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    def _stackable(self, x, batch, cache) -> bool:
+        """The forwards each layer would run in one call (DecoderLayer._kernel_linears)."""
+        return x.shape[0] * x.shape[1] < WIDE_ROWS and self.model.layers[0].self_attn._fusable(x, batch, cache)
 
     def use_int8_kernels(self, kernel) -> None:
         """For the int8, int4 and gguf models, with forerun's compiled kernels (models/int8_kernel.py):
@@ -230,6 +235,24 @@ class LlamaForCausalLM(DecoderBase):
             folded = all(isinstance(n, nn.Identity) for n in (layer.input_layernorm, layer.post_attention_layernorm))
             layer.fused_block = getattr(kernel, "decoder_layer_rows", None) if folded else None
         self.use_chain_attention_kernel(kernel)
+        self.layer_stack = self._stack(kernel)
+
+    def _stack(self, kernel):
+        """Every layer's one-call form from one call (layer_rows.cpp's LayerStack), bound to
+        the linears as they are now: None where a layer has no one-call form."""
+        layers = self.model.layers
+        if getattr(kernel, "LayerStack", None) is None or any(layer.fused_block is None for layer in layers):
+            return None
+        linears = [getattr(q, "kernel_linear", None) for layer in layers for q in
+                   (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if None in linears:
+            return None
+        a = layers[0].self_attn
+        return kernel.LayerStack(linears, a.nh, a.nkv, a.hd**-0.5)
+
+    def __getstate__(self):  # deepcopy / pickle: the stack holds this model's kernels; a copy runs layer by layer
+        # until use_int8_kernels binds its own (to_int8_ / to_int4_ do)
+        return {**super().__getstate__(), "layer_stack": None}
 
     def use_chain_attention_kernel(self, kernel) -> None:
         """Chain attention over fewer than WIDE_ROWS new tokens one query at a time (the
@@ -251,8 +274,11 @@ class LlamaForCausalLM(DecoderBase):
         bias = attention_bias(batch, x.dtype)
         rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            if i not in skip:
-                x = layer(x, cos, sin, batch, cache, bias)
+        if self.layer_stack is not None and not skip and self._stackable(x, batch, cache):
+            x = self.layer_stack(x, cos, sin, cache.k, cache.v, batch.row_index, batch.slots)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i not in skip:
+                    x = layer(x, cos, sin, batch, cache, bias)
         hidden = self.model.norm(x)
         return ModelOutput(hidden, self.head(hidden, logits_at))
