@@ -4,9 +4,10 @@
         --gguf ~/.cache/forerun/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --rounds 5
 
 `forerun bench --vs llama.cpp` runs one engine after the other; on a machine whose memory speed
-drifts within minutes that ratio moves by 20%. Here every round runs `llama-bench -p 0 -n N -t T`
-once and then each forerun configuration on the same prompts (greedy, decode-only tok/s), and the
-ratio is taken within a round. Configurations: `--config DTYPE:K[:LOOKUP[:DRAFT_DTYPE]]` (the
+drifts within minutes that ratio moves by 20%. Here every round runs each forerun configuration on
+the same prompts (greedy, decode-only tok/s) with `llama-bench -p 0 -n N -t T` before the first,
+between each two and after the last, and a configuration's ratio is over the mean of the llama.cpp
+runs just before and after it. Configurations: `--config DTYPE:K[:LOOKUP[:DRAFT_DTYPE]]` (the
 verifier's dtype, k, optionally --draft-lookup's N and the drafter's precision), the drafter given by
 --draft-model / --draft-dtype (its default precision) / --draft-vocab.
 """
@@ -79,22 +80,33 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     for llm, spec in configs.values():  # warm-up: kernels, caches, the drafter's first load
         llm.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=16), speculative=spec)
+    # llama.cpp runs before the first configuration, between each two and after the last: each
+    # configuration's ratio is over the mean of the llama.cpp runs just before and after it, so
+    # the machine's drift over a round (minutes) falls on both sides of the ratio alike.
     rates: dict[str, list[float]] = {"llama.cpp plain": []}
+    ratios: dict[str, list[float]] = {}
     end_to_end: dict[str, list[float]] = {}  # forerun's tok/s with the prompt's prefill counted
+    bench = lambda: llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads)  # noqa: E731
     for r in range(args.rounds):
-        rates["llama.cpp plain"].append(llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads))
+        before = bench()
+        llama = [before]
         for name, (llm, spec) in configs.items():
             outs = [llm.generate([t], params, speculative=spec)[0] for t in texts]
             stats = merge([o.stats for o in outs])
+            after = bench()
+            llama.append(after)
             rates.setdefault(name, []).append(stats.decode_tokens_per_s)
             end_to_end.setdefault(name, []).append(stats.tokens_per_s)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
-    base = rates["llama.cpp plain"]
+            ratios.setdefault(name, []).append(stats.decode_tokens_per_s / ((before + after) / 2))
+            before = after
+        rates["llama.cpp plain"].append(statistics.mean(llama))
+        print(f"round {r + 1}: llama.cpp plain {' / '.join(f'{x:.1f}' for x in llama)}, "
+              + ", ".join(f"{k} {v[-1]:.1f} ({ratios[k][-1]:.2f}x)" for k, v in rates.items() if k in ratios), flush=True)
     for name, v in rates.items():
-        ratios = [a / b for a, b in zip(v, base)]
         e2e = f"; end to end {' '.join(f'{x:.1f}' for x in end_to_end[name])}" if name in end_to_end else ""
-        print(f"{name}: decode tok/s {' '.join(f'{x:.1f}' for x in v)}{e2e}; over llama.cpp's decode within each "
-              f"round: {' '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}x)")
+        over = (f"; over llama.cpp's decode just before and after it: {' '.join(f'{x:.2f}' for x in ratios[name])} "
+                f"(median {statistics.median(ratios[name]):.2f}x)") if name in ratios else " (mean of each round's runs)"
+        print(f"{name}: decode tok/s {' '.join(f'{x:.1f}' for x in v)}{e2e}{over}")
     return 0
 
 
