@@ -86,7 +86,10 @@ def main() -> int:
     rates: dict[str, list[float]] = {"llama.cpp plain": []}
     ratios: dict[str, list[float]] = {}
     end_to_end: dict[str, list[float]] = {}  # forerun's tok/s with the prompt's prefill counted
-    bench = lambda: llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads)  # noqa: E731
+
+    def bench() -> float:
+        return llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads)
+
     for r in range(args.rounds):
         before = bench()
         llama = [before]
