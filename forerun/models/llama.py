@@ -64,6 +64,12 @@ class Attention(nn.Module):
         return (batch.starts is not None and type(cache) is KVCache and x.dtype == torch.float32
                 and max(batch.lengths) < WIDE_ROWS)
 
+    @staticmethod
+    def _one_call(x, batch: ForwardBatch, cache) -> bool:
+        """A forward the one-call layer (and the layer stack) takes: a fusable chain whose
+        linears run their few-token kernel (fewer than WIDE_ROWS tokens in all)."""
+        return x.shape[0] * x.shape[1] < WIDE_ROWS and Attention._fusable(x, batch, cache)
+
     def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache, bias: torch.Tensor):
         """bias: [B, 1, T, S] additive mask (0 or -inf) built from batch.mask, or None when
         batch.attention says the rule is plain (every slot, or causal from slot 0)."""
@@ -171,7 +177,7 @@ class DecoderLayer(nn.Module):
         """The four linears' bound kernels where this forward is one the fused attention takes
         and each linear would run its few-token kernel (fewer than WIDE_ROWS tokens), else None."""
         a, m = self.self_attn, self.mlp
-        if a.fused_layer is None or x.shape[0] * x.shape[1] >= WIDE_ROWS or not a._fusable(x, batch, cache):
+        if a.fused_layer is None or not a._one_call(x, batch, cache):
             return None
         linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
         bound = tuple(getattr(q, "kernel_linear", None) for q in linears)
@@ -213,10 +219,6 @@ class LlamaForCausalLM(DecoderBase):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.layer_stack = None  # every layer in one compiled call (layer_rows.cpp), set by use_int8_kernels
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
-
-    def _stackable(self, x, batch, cache) -> bool:
-        """The forwards each layer would run in one call (DecoderLayer._kernel_linears)."""
-        return x.shape[0] * x.shape[1] < WIDE_ROWS and self.model.layers[0].self_attn._fusable(x, batch, cache)
 
     def use_int8_kernels(self, kernel) -> None:
         """For the int8, int4 and gguf models, with forerun's compiled kernels (models/int8_kernel.py):
@@ -274,7 +276,7 @@ class LlamaForCausalLM(DecoderBase):
         bias = attention_bias(batch, x.dtype)
         rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
-        if self.layer_stack is not None and not skip and self._stackable(x, batch, cache):
+        if self.layer_stack is not None and not skip and Attention._one_call(x, batch, cache):
             x = self.layer_stack(x, cos, sin, cache.k, cache.v, batch.row_index, batch.slots)
         else:
             for i, layer in enumerate(self.model.layers):
