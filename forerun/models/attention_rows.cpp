@@ -115,10 +115,10 @@ static float softmax_avx512(float* p, int64_t L) {
 //   softmax over all its scores (softmax_avx512);
 //   out: two FMA chains over its keys (even / odd; the last odd key into the even one), the
 //        chains kept in acc between chunks, joined at the end, times 1 / sum.
-// p: G x stride floats, acc: G x 2 D floats (scratch).
+// p: G x stride floats, acc: G x 2 D floats, sums: G floats (scratch).
 template <int V, bool IDX>
 static void attend_group_avx512(int64_t G, const float* const* qv, const int64_t* L, const float* kb, const float* vb,
-                                float scale, float* p, int64_t stride, float* acc, float* const* o,
+                                float scale, float* p, int64_t stride, float* acc, float* sums, float* const* o,
                                 const int32_t* const* idx) {
   constexpr int64_t D = 16 * V;
   int64_t Lmax = 0;
@@ -146,7 +146,6 @@ static void attend_group_avx512(int64_t G, const float* const* qv, const int64_t
         pg[j] = _mm512_reduce_add_ps(a0) * scale;
       }
     }
-  std::vector<float> sums(G);
   for (int64_t g = 0; g < G; ++g) {
     sums[g] = softmax_avx512(p + g * stride, L[g]);
     std::fill(acc + g * 2 * D, acc + (g + 1) * 2 * D, 0.f);
@@ -193,13 +192,13 @@ static void attend_group_avx512(int64_t G, const float* const* qv, const int64_t
 // attend_group_avx512 for D = 16 V, V = 1 .. 16; false for other head sizes.
 template <bool IDX, int V = 1>
 static bool attend_group_d(int64_t D, int64_t G, const float* const* qv, const int64_t* L, const float* kb,
-                           const float* vb, float scale, float* p, int64_t stride, float* acc, float* const* o,
-                           const int32_t* const* idx) {
+                           const float* vb, float scale, float* p, int64_t stride, float* acc, float* sums,
+                           float* const* o, const int32_t* const* idx) {
   if constexpr (V > 16) {
     return false;
   } else {
-    if (D != 16 * V) return attend_group_d<IDX, V + 1>(D, G, qv, L, kb, vb, scale, p, stride, acc, o, idx);
-    attend_group_avx512<V, IDX>(G, qv, L, kb, vb, scale, p, stride, acc, o, idx);
+    if (D != 16 * V) return attend_group_d<IDX, V + 1>(D, G, qv, L, kb, vb, scale, p, stride, acc, sums, o, idx);
+    attend_group_avx512<V, IDX>(G, qv, L, kb, vb, scale, p, stride, acc, sums, o, idx);
     return true;
   }
 }
@@ -259,9 +258,10 @@ struct Group {
   }
 };
 
-// Per-thread scratch: scores (a row of cap per query) and the output's two chains.
+// Per-thread scratch: scores (a row of cap per query), the output's two chains and the
+// softmax sums (one per query).
 struct Scratch {
-  std::vector<float> p, acc;
+  std::vector<float> p, acc, sums;
 };
 
 // A group's attention over kb, vb [cap, D]: AVX512 where D is a multiple of 16 up to 256,
@@ -272,9 +272,10 @@ static void attend_group(const Group& grp, const float* kb, const float* vb, int
   const int64_t G = static_cast<int64_t>(grp.q.size());
   s.p.resize(G * cap);
   s.acc.resize(G * 2 * D);
+  s.sums.resize(G);
 #ifdef FORERUN_VNNI
   if (attend_group_d<IDX>(D, G, grp.q.data(), grp.L.data(), kb, vb, scale, s.p.data(), cap, s.acc.data(),
-                          grp.o.data(), grp.idx.data()))
+                          s.sums.data(), grp.o.data(), grp.idx.data()))
     return;
 #endif
   for (int64_t g = 0; g < G; ++g)
