@@ -139,7 +139,7 @@ def test_wide_batches_keep_the_bits(verifier):
 
 @pytest.mark.parametrize("head_dim", [64, 8])  # the vector path and the plain C++ one
 def test_a_query_gets_its_bits_in_any_group(head_dim):
-    """The queries of a KV head's query heads go over its keys together, 256 keys at a time:
+    """The queries of a KV head's query heads go over its keys together, 64 keys at a time:
     a query's output is the one it gets alone (one head, one query, its KV head only) and
     the same with one thread (another split of the groups), over key counts across chunks."""
     import torch
@@ -150,7 +150,7 @@ def test_a_query_gets_its_bits_in_any_group(head_dim):
     cap, s0, T, H, Hkv = 1100, 700, 3, 6, 2
     k, v = torch.randn(1, Hkv, cap, head_dim, generator=g), torch.randn(1, Hkv, cap, head_dim, generator=g)
     q = torch.randn(1, H, T, head_dim, generator=g)
-    limits = torch.tensor([[s0 + 1, s0 + 2, 513]])  # odd and even counts, past 2 chunk ends, one at 2 chunks + 1
+    limits = torch.tensor([[s0 + 1, s0 + 2, 513]])  # odd and even counts past chunk ends, one at 8 chunks + 1
     rows = torch.tensor([0])
     out = kernel.attend_prefix(q, k, v, rows, limits, head_dim**-0.5)
     for h in range(H):
