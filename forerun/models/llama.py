@@ -176,11 +176,15 @@ class DecoderLayer(nn.Module):
     def _kernel_linears(self, x, batch, cache):
         """The four linears' bound kernels where this forward is one the fused attention takes
         and each linear would run its few-token kernel (fewer than WIDE_ROWS tokens), else None."""
-        a, m = self.self_attn, self.mlp
+        a = self.self_attn
         if a.fused_layer is None or not a._one_call(x, batch, cache):
             return None
-        linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-        bound = tuple(getattr(q, "kernel_linear", None) for q in linears)
+        return self.bound_linears()
+
+    def bound_linears(self):
+        """qkv, o, gate_up and down's bound kernels (KernelLinear), or None where one has none."""
+        a, m = self.self_attn, self.mlp
+        bound = tuple(getattr(q, "kernel_linear", None) for q in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
         return None if None in bound else bound
 
 
@@ -245,12 +249,11 @@ class LlamaForCausalLM(DecoderBase):
         layers = self.model.layers
         if getattr(kernel, "LayerStack", None) is None or any(layer.fused_block is None for layer in layers):
             return None
-        linears = [getattr(q, "kernel_linear", None) for layer in layers for q in
-                   (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if None in linears:
+        bound = [layer.bound_linears() for layer in layers]
+        if None in bound:
             return None
         a = layers[0].self_attn
-        return kernel.LayerStack(linears, a.nh, a.nkv, a.hd**-0.5)
+        return kernel.LayerStack([k for four in bound for k in four], a.nh, a.nkv, a.hd**-0.5)
 
     def __getstate__(self):  # deepcopy / pickle: the stack holds this model's kernels; a copy runs layer by layer
         # until use_int8_kernels binds its own (to_int8_ / to_int4_ do)
