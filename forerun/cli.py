@@ -169,6 +169,9 @@ def cmd_generate(args) -> int:
     if spec.enabled and not args.no_baseline:
         line = _speedup_line(llm, prompt, params, out, label, args.repeats)
     print(line, file=sys.stderr)
+    from forerun.bench.fidelity import line_for
+
+    print(f"forerun: {line_for(llm, args.model)}", file=sys.stderr)
     return 0
 
 
@@ -268,6 +271,7 @@ def cmd_tune_skip(args) -> int:
 
 def cmd_cost(args) -> int:
     from forerun.bench.cost import CostCurve, measure, plot
+    from forerun.bench.fidelity import line_for
     from forerun.llm import LLM
 
     tokens = sorted(set(int_list(args.tokens) or ()) | {1})
@@ -279,21 +283,25 @@ def cmd_cost(args) -> int:
             raise ForerunError(f"--dtype: {d!r} is not a precision; choose from {', '.join(DTYPES)}{near_miss(d, DTYPES)}")
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    curves = []
+    curves, fidelities = [], []
     for dtype in dtypes:
         llm = LLM(model=args.model, dtype=dtype, speculative=None)
         print(f"forerun: timing {llm.name} at {dtype} ({len(tokens)} sizes x {args.repeats} rounds)...", file=sys.stderr, flush=True)
         curves.append(CostCurve(llm.name, dtype, args.context, measure(llm.model, tokens, args.context, args.repeats)))
+        fidelities.append(line_for(llm, args.model))
         del llm
     if args.plot:
         plot(curves, args.plot)
     if args.json:
         print(json.dumps([{"model": c.model, "dtype": c.dtype, "context": c.context, "ms": c.ms,
-                           "ratio": {t: round(c.ratio(t), 3) for t in c.ms}} for c in curves], indent=2))
+                           "ratio": {t: round(c.ratio(t), 3) for t in c.ms}, "fidelity": f}
+                          for c, f in zip(curves, fidelities)], indent=2))
     else:
         print("tokens  " + "  ".join(f"{c.dtype:>16}" for c in curves))
         for t in tokens:
             print(f"{t:6d}  " + "  ".join(f"{c.ms[t]:8.1f} ms {c.ratio(t):4.2f}x" for c in curves))
+        for f in fidelities:
+            print(f)
     if args.plot:
         print(f"plot: {Path(args.plot).resolve()}", file=sys.stderr)
     return 0

@@ -123,11 +123,16 @@ def test_bad_arguments_are_one_line_errors_before_any_model_loads(capsys, argv, 
 
 
 @pytest.mark.slow
-def test_quality_command_on_the_embedded_model(capsys, embedded_dir):
+def test_quality_command_on_the_embedded_model(capsys, embedded_dir, tmp_path, monkeypatch):
     import json
 
+    from forerun.bench import fidelity
+
+    monkeypatch.setattr(fidelity, "cache_dir", lambda: tmp_path)  # its record goes here, not in the user's cache
     assert main(["quality", "--model", str(embedded_dir), "--dtype", "int8", "--ctx", "64", "--chunks", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "recorded in" in captured.err and fidelity.load(embedded_dir)["int8"]["tokens"] == 2 * 31
     ref, int8 = out["rows"]
     assert out["chunks"] == 2 and out["text"][0].endswith("argparse.py")
     assert (ref["label"], ref["kl"], ref["top1"]) == ("float32", 0.0, 1.0) and ref["tokens"] == 2 * 31

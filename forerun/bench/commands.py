@@ -137,6 +137,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from forerun.bench.bench import BenchRun, run_bench, save, workloads_from
+    from forerun.bench.fidelity import line_for
     from forerun.bench.grid import make_methods
     from forerun.bench.report import screenshot, write_reports
     from forerun.bench.spread import busy_note
@@ -155,6 +156,7 @@ def cmd_bench(args) -> int:
     run = BenchRun(verifier, make_methods(verifier, specs), workloads, params, meta, Path(args.out), args.resume,
                    progress=not args.no_progress)
     result = run_bench(run)
+    result["fidelity"] = line_for(verifier, args.model)  # (not in meta: a record made between runs must not stop --resume)
     run.out.mkdir(parents=True, exist_ok=True)
     if not args.no_cost and "cost_curve" not in result:
         result["cost_curve"] = _cost_curve(verifier)
@@ -301,6 +303,7 @@ def cmd_quality(args) -> int:
     import torch
     from tqdm import tqdm
 
+    from forerun.bench import fidelity
     from forerun.bench.quality import QualityRow, evaluate, llama_perplexity, make_chunks, markdown_table, scored_span
     from forerun.llm import LLM
     from forerun.models.loader import load_model, resolve_dtype
@@ -331,6 +334,10 @@ def cmd_quality(args) -> int:
     if llama is not None:
         ppl, tokens = llama_perplexity(llama, text, args.ctx, args.chunks)
         rows.append(QualityRow(f"llama.cpp ({llama.gguf.name})", ppl, tokens, (ppl / rows[0].ppl - 1) * 100))
+    kept = fidelity.save(ref.source, ref.name, rows, ", ".join(Path(s).stem for s in sources), args.ctx, len(chunks))
+    if kept is not None:
+        print(f"forerun: recorded in {kept}: `forerun generate`, `cost` and `bench` print it beside their speeds",
+              file=sys.stderr)
     if args.json:
         print(json.dumps({"model": ref.name, "text": sources, "text_tokens": len(ids), "bos": bos is not None,
                           "ctx": args.ctx, "chunks": len(chunks), "rows": [asdict(r) for r in rows]}, indent=2))

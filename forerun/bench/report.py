@@ -57,6 +57,7 @@ def markdown(result: dict) -> str:
              f"temperature {m.get('temperature')}, {m.get('threads')} threads. Speedup: summed plain wall time / "
              "summed method wall time (prefill included), plain and methods interleaved per prompt; tau: tokens "
              "per verifier forward; predicted: from the per-token acceptance (Leviathan et al.).", "",
+             *([f"{result['fidelity'][0].upper()}{result['fidelity'][1:]}.", ""] if result.get("fidelity") else []),
              "## Verdict", "", "```", *_advice_lines(result), "```", "", "## Results", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_row(c)) + " |" for c in result["cells"]]
@@ -94,6 +95,7 @@ img {{ max-width: 100%; }} .sample h4 {{ margin: 0.8em 0 0.2em; }} .share {{ fon
 </style></head><body>
 <h1>forerun bench: {html.escape(str(m.get('model')))} at {html.escape(str(m.get('dtype')))}</h1>
 <p>{html.escape(str(m.get('prompts')))}, up to {m.get('limit')} prompts per workload, {m.get('max_new_tokens')} new tokens.</p>
+<p>{html.escape(str(result.get('fidelity', '')))}</p>
 <h2>Verdict</h2><pre>{html.escape(chr(10).join(_advice_lines(result)))}</pre>
 <h2>Results</h2><table><tr>{head}</tr>{rows}</table>
 <p>{peers}</p>

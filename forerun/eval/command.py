@@ -40,6 +40,7 @@ def cmd_eval(args) -> int:
 
 
 def _humaneval(args) -> int:
+    from forerun.bench.fidelity import line_for
     from forerun.cli_args import configs, load_llm
     from forerun.eval.humaneval import evaluate, load_problems, summarize
     from forerun.eval.report import default_out, write
@@ -57,6 +58,7 @@ def _humaneval(args) -> int:
            "k": spec.num_speculative_tokens if spec.enabled else None, "max_new_tokens": params.max_tokens,
            "temperature": params.temperature, "timeout_s": limits.timeout_s, "memory_bytes": limits.memory_bytes}
     report = summarize(results, stats, run, time.perf_counter() - start)
+    report["fidelity"] = line_for(llm, args.model)
     out = Path(args.out).expanduser() if args.out else default_out(report)
     js, md = write(report, out)
     if args.json:
@@ -73,4 +75,4 @@ def _summary(r: dict) -> str:
             f"[{label}] | {r['seconds']:.0f} s, {r['tokens']} tokens, {r['tokens_per_s']:.1f} tok/s")
     if "acceptance_rate" in r:
         line += f" | acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
-    return line
+    return line + (f"\n{r['fidelity']}" if r.get("fidelity") else "")

@@ -10,7 +10,7 @@ TOTALS = [("pass@1", "pass@1"), ("passed", "passed"), ("problems", "problems"), 
           ("dtype", "dtype"), ("method", "method"), ("k", "k"), ("max_new_tokens", "max new tokens"),
           ("seconds", "time (s)"), ("generate_seconds", "generating (s)"), ("test_seconds", "testing (s)"),
           ("tokens", "tokens"), ("tokens_per_s", "tokens/s"), ("acceptance_rate", "acceptance"),
-          ("mean_accepted_length", "mean accepted length")]
+          ("mean_accepted_length", "mean accepted length"), ("fidelity", "fidelity of the precision")]
 
 
 def default_out(report: dict) -> Path:

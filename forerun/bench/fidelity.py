@@ -1,0 +1,105 @@
+"""What `forerun quality` measured, kept so that every speed forerun prints carries its
+precision's fidelity (`generate`, `cost`, `bench`): a speed of int4 or gguf without how far
+that precision moves the model from float32 is half a result.
+
+One record per model weights, in the cache (FORERUN_CACHE_DIR/quality/<key>.json):
+
+    {"model": name, "weights": {"files": [[path, size, mtime_ns], ...]},
+     "rows": {dtype or "llama.cpp": {"ppl", "ppl_vs_float32", "kl", "top1", "tokens",
+                                     "text", "ctx", "chunks", "measured"}}}
+
+The key is the weights' identity, not the folder's: a converted GGUF folder is keyed by its GGUF
+file (the float32 copy written into that folder on first use changes nothing), an HF folder by
+its weight files. Nothing here measures: a precision with no record gets the command that
+measures it.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from pathlib import Path
+
+from forerun.cache import cache_dir
+
+RECORD_DIR = "quality"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+def weights_of(source: Path) -> list[Path]:
+    """The files a model's weights come from: a converted folder's GGUF, else the folder's
+    weight files (sorted); [] when there are none (a folder built in memory)."""
+    from forerun.models.gguf_convert import source_of
+
+    gguf = source_of(source)
+    if gguf is not None:
+        return [gguf.resolve()]
+    return sorted(p.resolve() for p in source.iterdir() if p.suffix in WEIGHT_SUFFIXES) if source.is_dir() else []
+
+
+def record_path(source: Path) -> Path | None:
+    """Where the record of this model's weights lives; None when they have no files."""
+    files = weights_of(source)
+    if not files:
+        return None
+    ident = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]
+    return cache_dir() / RECORD_DIR / f"{key}.json"
+
+
+def load(source: Path | None) -> dict:
+    """The record's rows by label ({} when there is none or it cannot be read)."""
+    path = record_path(source) if source is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def save(source: Path, name: str, rows, text: str, ctx: int, chunks: int) -> Path | None:
+    """Add `forerun quality`'s rows (QualityRow: label, ppl, tokens, ppl_vs_ref, kl, top1) to the
+    model's record, replacing older rows of the same labels. Returns the file (None: no weights)."""
+    path = record_path(source)
+    if path is None:
+        return None
+    kept = load(source)
+    day = datetime.date.today().isoformat()
+    for r in rows:
+        label = "llama.cpp" if r.label.startswith("llama.cpp") else r.label
+        kept[label] = {"ppl": r.ppl, "ppl_vs_float32": r.ppl_vs_ref, "kl": r.kl, "top1": r.top1, "tokens": r.tokens,
+                       "text": text, "ctx": ctx, "chunks": chunks, "measured": day}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files = [str(f) for f in weights_of(source)]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model": name, "weights": {"files": files}, "rows": kept}, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def describe(rows: dict, dtype: str, model_arg: str | None) -> str:
+    """One line for a speed figure of `dtype`: its measured fidelity, or how to measure it.
+
+    >>> describe({"int4": {"ppl_vs_float32": 1.0, "kl": 0.0084, "top1": 0.971, "tokens": 1530,
+    ...           "text": "argparse, difflib, textwrap", "measured": "2026-12-04"}}, "int4", "m")
+    'fidelity of int4: perplexity +1.00% vs float32, mean KL 0.0084, top-1 agreement 97.1% (forerun quality, 1530 tokens of argparse, difflib, textwrap, 2026-12-04)'
+    >>> describe({}, "float32", "m")
+    'fidelity of float32: the reference (the weights as stored, dequantized exactly; `forerun quality` measures the other precisions against it)'
+    >>> describe({}, "gguf", "m")
+    'fidelity of gguf: not measured for this model yet: `forerun quality --model m --dtype gguf` (perplexity, KL and top-1 agreement against float32)'
+    """
+    if dtype == "float32":
+        return ("fidelity of float32: the reference (the weights as stored, dequantized exactly; `forerun quality` "
+                "measures the other precisions against it)")
+    r = rows.get(dtype)
+    if r is None:
+        return (f"fidelity of {dtype}: not measured for this model yet: `forerun quality --model {model_arg} --dtype "
+                f"{dtype}` (perplexity, KL and top-1 agreement against float32)")
+    return (f"fidelity of {dtype}: perplexity {r['ppl_vs_float32']:+.2f}% vs float32, mean KL {r['kl']:.4f}, top-1 "
+            f"agreement {r['top1']:.1%} (forerun quality, {r['tokens']} tokens of {r['text']}, {r['measured']})")
+
+
+def line_for(llm, model_arg: str | None) -> str:
+    """describe() for an LLM as loaded (its resolved precision, its weights' record)."""
+    return describe(load(llm.source), llm.dtype, model_arg or "smollm2-135m")
