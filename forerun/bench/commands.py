@@ -336,8 +336,8 @@ def cmd_quality(args) -> int:
         rows.append(QualityRow(f"llama.cpp ({llama.gguf.name})", ppl, tokens, (ppl / rows[0].ppl - 1) * 100))
     kept = fidelity.save(ref.source, ref.name, rows, ", ".join(Path(s).stem for s in sources), args.ctx, len(chunks))
     if kept is not None:
-        print(f"forerun: recorded in {kept}: `forerun generate`, `cost` and `bench` print it beside their speeds",
-              file=sys.stderr)
+        print(f"forerun: recorded in {kept}: `forerun generate`, `cost`, `bench`, `eval` and `serve` print it "
+              "beside their speeds", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": ref.name, "text": sources, "text_tokens": len(ids), "bos": bos is not None,
                           "ctx": args.ctx, "chunks": len(chunks), "rows": [asdict(r) for r in rows]}, indent=2))

@@ -1,6 +1,6 @@
 """What `forerun quality` measured, kept so that every speed forerun prints carries its
-precision's fidelity (`generate`, `cost`, `bench`): a speed of int4 or gguf without how far
-that precision moves the model from float32 is half a result.
+precision's fidelity (`generate`, `cost`, `bench`, `eval`, `serve`): a speed of int4 or gguf
+without how far that precision moves the model from float32 is half a result.
 
 One record per model weights, in the cache (FORERUN_CACHE_DIR/quality/<key>.json):
 

@@ -29,6 +29,7 @@ def build_server(llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeCo
 def cmd_serve(args) -> int:
     import uvicorn
 
+    from forerun.bench.fidelity import line_for
     from forerun.cli_args import configs, load_llm
 
     _, spec = configs(args)
@@ -40,9 +41,10 @@ def cmd_serve(args) -> int:
     names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
     app = build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names)
     st = app.state
-    print(f"forerun serve: {st.limits.model_names[0]} ({args.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
+    print(f"forerun serve: {st.limits.model_names[0]} ({llm.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
           f"{cfg.max_batch} rows x {st.limits.max_len} tokens, {st.scheduler.blocks.num_blocks} KV blocks of {cfg.block_size}, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"forerun serve: {line_for(llm, args.model)}", file=sys.stderr)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run(sockets=[sock])
     return 0
 
