@@ -36,6 +36,9 @@ def test_rows_saved_are_read_back_and_shown(tmp_path, cache):
     line = fidelity.describe(rows, "int4", "hf")
     assert line.startswith("fidelity of int4: perplexity +1.00% vs float32, mean KL 0.0084, top-1 agreement 97.1%")
     assert "not measured" in fidelity.describe(rows, "gguf", "hf")  # a precision never measured: the command
+    assert rows["int4"]["kernels"] == fidelity.kernels_digest()  # these kernels: shown as measured
+    assert fidelity.describe(rows, "int4", "hf", fidelity.kernels_digest()) == line
+    assert "measure it again" in fidelity.describe(rows, "int4", "hf", "other sources")
 
 
 def test_a_later_measurement_replaces_only_its_own_rows(tmp_path, cache):

@@ -6,12 +6,14 @@ One record per model weights, in the cache (FORERUN_CACHE_DIR/quality/<key>.json
 
     {"model": name, "weights": {"files": [[path, size, mtime_ns], ...]},
      "rows": {dtype or "llama.cpp": {"ppl", "ppl_vs_float32", "kl", "top1", "tokens",
-                                     "text", "ctx", "chunks", "measured"}}}
+                                     "text", "ctx", "chunks", "measured", "kernels"}}}
 
 The key is the weights' identity, not the folder's: a converted GGUF folder is keyed by its GGUF
 file (the float32 copy written into that folder on first use changes nothing), an HF folder by
-its weight files. Nothing here measures: a precision with no record gets the command that
-measures it.
+its weight files. A row also keeps the digest of the kernel sources it was computed with
+("kernels"): int8 / int4 / gguf compute in those kernels, so a row from other sources is shown
+as stale, with the command that measures it again. Nothing here measures: a precision with no
+record gets the command that measures it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import json
 from pathlib import Path
 
 from forerun.cache import cache_dir
+from forerun.models import kernel_key
 
 RECORD_DIR = "quality"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -37,14 +40,22 @@ def weights_of(source: Path) -> list[Path]:
     return sorted(p.resolve() for p in source.iterdir() if p.suffix in WEIGHT_SUFFIXES) if source.is_dir() else []
 
 
+def kernels_digest() -> str:
+    """The digest of the kernel sources beside this forerun (kernel_key: names and bytes)."""
+    return kernel_key.sources_digest(kernel_key.read_sources(kernel_key.sources()))
+
+
+def weights_ident(source: Path) -> list[list]:
+    """[[path, size, mtime_ns], ...] of weights_of(source): what the record is keyed by."""
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in weights_of(source)]
+
+
 def record_path(source: Path) -> Path | None:
     """Where the record of this model's weights lives; None when they have no files."""
-    files = weights_of(source)
-    if not files:
+    ident = weights_ident(source)
+    if not ident:
         return None
-    ident = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]
-    return cache_dir() / RECORD_DIR / f"{key}.json"
+    return cache_dir() / RECORD_DIR / f"{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]}.json"
 
 
 def load(source: Path | None) -> dict:
@@ -65,21 +76,21 @@ def save(source: Path, name: str, rows, text: str, ctx: int, chunks: int) -> Pat
     if path is None:
         return None
     kept = load(source)
-    day = datetime.date.today().isoformat()
+    day, kernels = datetime.date.today().isoformat(), kernels_digest()
     for r in rows:
         label = "llama.cpp" if r.label.startswith("llama.cpp") else r.label
         kept[label] = {"ppl": r.ppl, "ppl_vs_float32": r.ppl_vs_ref, "kl": r.kl, "top1": r.top1, "tokens": r.tokens,
-                       "text": text, "ctx": ctx, "chunks": chunks, "measured": day}
+                       "text": text, "ctx": ctx, "chunks": chunks, "measured": day, "kernels": kernels}
     path.parent.mkdir(parents=True, exist_ok=True)
-    files = [str(f) for f in weights_of(source)]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"model": name, "weights": {"files": files}, "rows": kept}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"model": name, "weights": {"files": weights_ident(source)}, "rows": kept}, indent=1) + "\n")
     tmp.replace(path)
     return path
 
 
-def describe(rows: dict, dtype: str, model_arg: str | None) -> str:
-    """One line for a speed figure of `dtype`: its measured fidelity, or how to measure it.
+def describe(rows: dict, dtype: str, model_arg: str | None, kernels: str | None = None) -> str:
+    """One line for a speed figure of `dtype`: its measured fidelity, or how to measure it
+    (again, when the row was computed by kernel sources other than `kernels`).
 
     >>> describe({"int4": {"ppl_vs_float32": 1.0, "kl": 0.0084, "top1": 0.971, "tokens": 1530,
     ...           "text": "argparse, difflib, textwrap", "measured": "2026-12-04"}}, "int4", "m")
@@ -88,6 +99,8 @@ def describe(rows: dict, dtype: str, model_arg: str | None) -> str:
     'fidelity of float32: the reference (the weights as stored, dequantized exactly; `forerun quality` measures the other precisions against it)'
     >>> describe({}, "gguf", "m")
     'fidelity of gguf: not measured for this model yet: `forerun quality --model m --dtype gguf` (perplexity, KL and top-1 agreement against float32)'
+    >>> describe({"gguf": {"kernels": "a", "measured": "2026-12-01"}}, "gguf", "m", kernels="b")
+    'fidelity of gguf: measured 2026-12-01 by other kernels than these; measure it again: `forerun quality --model m --dtype gguf`'
     """
     if dtype == "float32":
         return ("fidelity of float32: the reference (the weights as stored, dequantized exactly; `forerun quality` "
@@ -96,10 +109,13 @@ def describe(rows: dict, dtype: str, model_arg: str | None) -> str:
     if r is None:
         return (f"fidelity of {dtype}: not measured for this model yet: `forerun quality --model {model_arg} --dtype "
                 f"{dtype}` (perplexity, KL and top-1 agreement against float32)")
+    if kernels is not None and r.get("kernels") != kernels:
+        return (f"fidelity of {dtype}: measured {r.get('measured')} by other kernels than these; measure it again: "
+                f"`forerun quality --model {model_arg} --dtype {dtype}`")
     return (f"fidelity of {dtype}: perplexity {r['ppl_vs_float32']:+.2f}% vs float32, mean KL {r['kl']:.4f}, top-1 "
             f"agreement {r['top1']:.1%} (forerun quality, {r['tokens']} tokens of {r['text']}, {r['measured']})")
 
 
 def line_for(llm, model_arg: str | None) -> str:
     """describe() for an LLM as loaded (its resolved precision, its weights' record)."""
-    return describe(load(llm.source), llm.dtype, model_arg or "smollm2-135m")
+    return describe(load(llm.source), llm.dtype, model_arg or "smollm2-135m", kernels_digest())
