@@ -142,6 +142,8 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
 
 
 def cmd_generate(args) -> int:
+    from forerun.bench.fidelity import line_for
+
     params, spec = configs(args)
     if args.repeats < 1:
         raise ForerunError("--repeats must be >= 1")
@@ -169,8 +171,6 @@ def cmd_generate(args) -> int:
     if spec.enabled and not args.no_baseline:
         line = _speedup_line(llm, prompt, params, out, label, args.repeats)
     print(line, file=sys.stderr)
-    from forerun.bench.fidelity import line_for
-
     print(f"forerun: {line_for(llm, args.model)}", file=sys.stderr)
     return 0
 

@@ -1,5 +1,5 @@
 """The fidelity record: what `forerun quality` measured, keyed by the model's weights, read back
-beside every speed (`generate`, `cost`, `bench`)."""
+beside every speed (`generate`, `cost`, `bench`, `eval`, `serve`)."""
 import doctest
 import json
 import os
@@ -39,6 +39,8 @@ def test_rows_saved_are_read_back_and_shown(tmp_path, cache):
     assert rows["int4"]["kernels"] == fidelity.kernels_digest()  # these kernels: shown as measured
     assert fidelity.describe(rows, "int4", "hf", fidelity.kernels_digest()) == line
     assert "measure it again" in fidelity.describe(rows, "int4", "hf", "other sources")
+    assert "the reference" in fidelity.describe(rows, "float32", "hf", "other sources")  # torch's, not the kernels'
+    assert "--model '/a b'" in fidelity.describe(rows, "gguf", "/a b")  # a command that can be pasted
 
 
 def test_a_later_measurement_replaces_only_its_own_rows(tmp_path, cache):

@@ -11,8 +11,8 @@ One record per model weights, in the cache (FORERUN_CACHE_DIR/quality/<key>.json
 The key is the weights' identity, not the folder's: a converted GGUF folder is keyed by its GGUF
 file (the float32 copy written into that folder on first use changes nothing), an HF folder by
 its weight files. A row also keeps the digest of the kernel sources it was computed with
-("kernels"): int8 / int4 / gguf compute in those kernels, so a row from other sources is shown
-as stale, with the command that measures it again. Nothing here measures: a precision with no
+("kernels"): int8 / int4 / gguf compute in those kernels, so such a row from other sources is
+shown as stale, with the command that measures it again. Nothing here measures: a precision with no
 record gets the command that measures it.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import shlex
 from pathlib import Path
 
 from forerun.cache import cache_dir
@@ -27,6 +28,7 @@ from forerun.models import kernel_key
 
 RECORD_DIR = "quality"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+KERNEL_DTYPES = ("gguf", "int8", "int4")  # computed by forerun's kernels (float32 and bfloat16: by torch)
 
 
 def weights_of(source: Path) -> list[Path]:
@@ -83,7 +85,8 @@ def save(source: Path, name: str, rows, text: str, ctx: int, chunks: int) -> Pat
                        "text": text, "ctx": ctx, "chunks": chunks, "measured": day, "kernels": kernels}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"model": name, "weights": {"files": weights_ident(source)}, "rows": kept}, indent=1) + "\n")
+    record = {"model": name, "weights": {"files": weights_ident(source)}, "rows": kept}
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(path)
     return path
 
@@ -105,13 +108,12 @@ def describe(rows: dict, dtype: str, model_arg: str | None, kernels: str | None 
     if dtype == "float32":
         return ("fidelity of float32: the reference (the weights as stored, dequantized exactly; `forerun quality` "
                 "measures the other precisions against it)")
-    r = rows.get(dtype)
+    r, measure = rows.get(dtype), f"`forerun quality --model {shlex.quote(str(model_arg))} --dtype {dtype}`"
     if r is None:
-        return (f"fidelity of {dtype}: not measured for this model yet: `forerun quality --model {model_arg} --dtype "
-                f"{dtype}` (perplexity, KL and top-1 agreement against float32)")
-    if kernels is not None and r.get("kernels") != kernels:
-        return (f"fidelity of {dtype}: measured {r.get('measured')} by other kernels than these; measure it again: "
-                f"`forerun quality --model {model_arg} --dtype {dtype}`")
+        return (f"fidelity of {dtype}: not measured for this model yet: {measure} (perplexity, KL and top-1 "
+                "agreement against float32)")
+    if kernels is not None and dtype in KERNEL_DTYPES and r.get("kernels") != kernels:
+        return f"fidelity of {dtype}: measured {r.get('measured')} by other kernels than these; measure it again: {measure}"
     return (f"fidelity of {dtype}: perplexity {r['ppl_vs_float32']:+.2f}% vs float32, mean KL {r['kl']:.4f}, top-1 "
             f"agreement {r['top1']:.1%} (forerun quality, {r['tokens']} tokens of {r['text']}, {r['measured']})")
 
