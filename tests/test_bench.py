@@ -46,6 +46,17 @@ def test_bench_cells_json_and_reports(tmp_path):
     assert 'class="tok o-' in written["report.html"].read_text()
 
 
+def test_the_report_says_the_precision_fidelity(tmp_path):
+    from forerun.bench.fidelity import line_for
+
+    run = bench_run(tmp_path, [SpeculativeConfig("ngram", 2)])
+    result = run_bench(run)
+    result["fidelity"] = line_for(run.verifier, "tiny")  # as cmd_bench sets it: float32, the reference
+    written = write_reports(result, tmp_path)
+    assert "Fidelity of float32: the reference" in written["report.md"].read_text()
+    assert "fidelity of float32: the reference" in written["report.html"].read_text()
+
+
 def test_resume_keeps_finished_cells_and_runs_only_new_ones(tmp_path, monkeypatch):
     first = run_bench(bench_run(tmp_path, [SpeculativeConfig("ngram", 2)]))
     calls = []
