@@ -19,9 +19,9 @@ import time
 import torch
 
 from forerun.models import int8_kernel
+from forerun.models.gguf_native import NATIVE_TYPES, Q4_K
 
-Q4_K = 12
-BYTES_PER_WEIGHT = 144 / 256  # a Q4_K block: 256 weights in 144 bytes
+BYTES_PER_WEIGHT = NATIVE_TYPES[Q4_K][1] / NATIVE_TYPES[Q4_K][0]  # a Q4_K block: 256 weights in 144 bytes
 
 
 def seconds_per_call(kernel, rows: int, cols: int, tokens: int, calls: int = 300) -> float:

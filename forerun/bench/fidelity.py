@@ -23,7 +23,7 @@ import json
 import shlex
 from pathlib import Path
 
-from forerun.cache import cache_dir
+from forerun.cache import cache_dir, write_atomic
 from forerun.models import kernel_key
 
 RECORD_DIR = "quality"
@@ -84,10 +84,8 @@ def save(source: Path, name: str, rows, text: str, ctx: int, chunks: int) -> Pat
         kept[label] = {"ppl": r.ppl, "ppl_vs_float32": r.ppl_vs_ref, "kl": r.kl, "top1": r.top1, "tokens": r.tokens,
                        "text": text, "ctx": ctx, "chunks": chunks, "measured": day, "kernels": kernels}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
     record = {"model": name, "weights": {"files": weights_ident(source)}, "rows": kept}
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
     return path
 
 

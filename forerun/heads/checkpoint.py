@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from forerun.cache import write_atomic
 from forerun.errors import ConfigError, ModelLoadError
 from forerun.heads.dflash import DFlashConfig, DFlashHead
 from forerun.heads.eagle import EagleConfig, EagleHead
@@ -45,7 +46,7 @@ def save_head(folder: str | Path, head: nn.Module, verifier_name: str, training:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
-    _atomic(folder / WEIGHTS, lambda p: save_file(state, str(p)))
+    write_atomic(folder / WEIGHTS, lambda p: save_file(state, str(p)))
     card = {
         "format": "forerun-head", "version": 1, "method": head.kind,
         "config": {k: v for k, v in vars(head.config).items()},
@@ -53,7 +54,7 @@ def save_head(folder: str | Path, head: nn.Module, verifier_name: str, training:
                      "hidden_size": head.config.hidden_size},
         "training": training or {},
     }
-    _atomic(folder / CARD, lambda p: p.write_text(json.dumps(card, indent=2) + "\n"))
+    write_atomic(folder / CARD, lambda p: p.write_text(json.dumps(card, indent=2) + "\n"))
     return folder
 
 
@@ -103,11 +104,6 @@ def _read(folder: Path) -> nn.Module:
     head.verifier_fingerprint = card["verifier"]["fingerprint"]
     return head
 
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    tmp.replace(path)
 
 
 def at_verifier_precision(head: nn.Module, spec, verifier) -> nn.Module:

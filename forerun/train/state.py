@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from forerun.cache import write_atomic
 from forerun.errors import ConfigError
 from forerun.heads.checkpoint import save_head
 
@@ -26,9 +27,9 @@ def save(folder: Path, head, opt: torch.optim.Optimizer, steps: int, fixed: dict
     state = opt.state_dict()
     flat = {f"{i}.{name}": t.detach().cpu().reshape(-1 if t.dim() == 0 else t.shape).contiguous()
             for i, st in state["state"].items() for name, t in st.items()}  # (0-d step counts as [1])
-    _atomic(folder / OPTIMIZER, lambda p: save_file(flat, str(p)))
+    write_atomic(folder / OPTIMIZER, lambda p: save_file(flat, str(p)))
     meta = {"steps_done": steps, "fixed": fixed, "param_groups": state["param_groups"], "history": history}
-    _atomic(folder / TRAINER, lambda p: p.write_text(json.dumps(meta) + "\n"))
+    write_atomic(folder / TRAINER, lambda p: p.write_text(json.dumps(meta) + "\n"))
 
 
 def exists(folder: Path) -> bool:
@@ -57,8 +58,3 @@ def load(folder: Path, head, opt: torch.optim.Optimizer, fixed: dict) -> tuple[i
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     return meta["steps_done"], meta["history"]
 
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    tmp.replace(path)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from forerun.cache import write_atomic
 from forerun.kv_cache import chain_batch
 
 FEATURES = "features.safetensors"
@@ -47,9 +48,7 @@ def cached_hidden_states(folder: Path, model, chunks: torch.Tensor, key_extra: s
                 return load_file(str(path))["hidden"]
     hidden = hidden_states(model, chunks, progress=progress)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"hidden": hidden}, str(tmp), metadata={"key": key})
-    tmp.replace(path)
+    write_atomic(path, lambda tmp: save_file({"hidden": hidden}, str(tmp), metadata={"key": key}))
     return hidden
 
 
