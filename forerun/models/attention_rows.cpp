@@ -108,31 +108,36 @@ static float softmax_avx512(float* p, int64_t L) {
   return sum;
 }
 
-// 16 keys' scores before the scale: per key r the FMA chain over D (qr . kr[r]) and the sum
-// of its 16 lanes in _mm512_reduce_add_ps's tree (lane l + l+8, then + 4, + 2, + 1), the 16
-// trees run side by side through shuffles (30 shuffles and 15 adds instead of 16 reductions
-// of 7 dependent steps). The same adds on the same operands: every key's score has the bits
-// reduce_add gives it. Out lane j is key j.
+// 16 vectors' lane sums, each in _mm512_reduce_add_ps's tree (lane l + l+8, then + 4, + 2,
+// + 1), the 16 trees run side by side through shuffles (30 shuffles and 15 adds instead of
+// 16 reductions of 7 dependent steps). The same adds on the same operands: every sum has the
+// bits reduce_add gives it. Out lane i is a[i]'s sum.
+static inline __m512 reduce16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // [a 2i: l + (l+8), l < 8 | a 2i+1: the same]
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int m = 0; m < 4; ++m)  // block k: a 4m + k, l + (l+4), l < 4
+    s2[m] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int m = 0; m < 2; ++m)  // block k: [a 8m + k, 8m + 4 + k: l + (l+2), l < 2]
+    s3[m] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // f lane 4k + i is a[4i + k]
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
+}
+
+// 16 keys' scores before the scale: per key r the FMA chain over D (qr . kr[r]) and its lane
+// sum (reduce16). Out lane j is key j.
 template <int V>
 static inline __m512 scores16(const __m512* qr, const float* const* kr) {
   __m512 a[16];
   for (int r = 0; r < 16; ++r) a[r] = _mm512_setzero_ps();
   for (int c = 0; c < V; ++c)
     for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr[r] + 16 * c), a[r]);
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i)  // [key 2i: l + (l+8), l < 8 | key 2i+1: the same]
-    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int m = 0; m < 4; ++m)  // block k: key 4m + k, l + (l+4), l < 4
-    s2[m] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int m = 0; m < 2; ++m)  // block k: [keys 8m + k, 8m + 4 + k: l + (l+2), l < 2]
-    s3[m] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // f lane 4k + i is key 4i + k
-  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
+  return reduce16(a);
 }
 
 // Part `part` of `parts` of rows [r0, r1) of a [cap, D] K or V block into L2, spread over
@@ -144,17 +149,170 @@ static inline void prefetch_part(const float* base, int64_t r0, int64_t r1, int6
   for (int64_t c = lines * part / parts; c < lines * (part + 1) / parts; ++c) _mm_prefetch(b + 64 * c, _MM_HINT_T1);
 }
 
+// One query's scores for keys [j, j1) into pg[j ..]: 16 keys at a time through scores16, then
+// 8, then 1 (key(j): the key's row).
+template <int V, typename Key>
+static inline void score_keys(const float* q, const float* kb, int64_t j, int64_t j1, Key key, float scale, float* pg) {
+  constexpr int64_t D = 16 * V;
+  __m512 qr[V];
+  for (int c = 0; c < V; ++c) qr[c] = _mm512_loadu_ps(q + 16 * c);
+  if constexpr (V <= 8)  // (16 accumulators and V query vectors in 32 registers)
+    for (; j + 16 <= j1; j += 16) {
+      const float* kr[16];
+      for (int r = 0; r < 16; ++r) kr[r] = kb + key(j + r) * D;
+      _mm512_storeu_ps(pg + j, _mm512_mul_ps(scores16<V>(qr, kr), _mm512_set1_ps(scale)));
+    }
+  for (; j + 8 <= j1; j += 8) {
+    __m512 a[8];
+    for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
+    const float* kr[8];
+    for (int r = 0; r < 8; ++r) kr[r] = kb + key(j + r) * D;
+    for (int c = 0; c < V; ++c)
+      for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr[r] + 16 * c), a[r]);
+    for (int r = 0; r < 8; ++r) pg[j + r] = _mm512_reduce_add_ps(a[r]) * scale;
+  }
+  for (; j < j1; ++j) {
+    __m512 a0 = _mm512_setzero_ps();
+    for (int c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + key(j) * D + 16 * c), a0);
+    pg[j] = _mm512_reduce_add_ps(a0) * scale;
+  }
+}
+
+// One query's output chains over keys [j, j1) (j even): even keys into ag[0, D), odd keys
+// into ag[D, 2D); a last key alone (odd L) goes into the even chain, as it is even.
+template <int V, typename Key>
+static inline void value_keys(const float* pg, const float* vb, int64_t j, int64_t j1, Key key, float* ag) {
+  constexpr int64_t D = 16 * V;
+  __m512 acc0[V], acc1[V];
+  for (int c = 0; c < V; ++c) {
+    acc0[c] = _mm512_loadu_ps(ag + 16 * c);
+    acc1[c] = _mm512_loadu_ps(ag + D + 16 * c);
+  }
+  for (; j + 2 <= j1; j += 2) {
+    const __m512 p0 = _mm512_set1_ps(pg[j]), p1 = _mm512_set1_ps(pg[j + 1]);
+    const float *v0 = vb + key(j) * D, *v1 = vb + key(j + 1) * D;
+    for (int c = 0; c < V; ++c) {
+      acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc0[c]);
+      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), acc1[c]);
+    }
+  }
+  if (j < j1) {
+    const __m512 p0 = _mm512_set1_ps(pg[j]);
+    for (int c = 0; c < V; ++c) acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + key(j) * D + 16 * c), acc0[c]);
+  }
+  for (int c = 0; c < V; ++c) {
+    _mm512_storeu_ps(ag + 16 * c, acc0[c]);
+    _mm512_storeu_ps(ag + D + 16 * c, acc1[c]);
+  }
+}
+
+// QB queries that see the same keys, 4 keys at a time: each key vector is loaded once into a
+// register for all QB queries (GCC would otherwise fold the load into every FMA and read the
+// chunk from L2 once per query, the loop's limit). Per (query, key) the same FMA chain and
+// reduce16 sum as score_keys, so the same bits. qs[i]: query i, ps[i]: its scores.
+template <int V, int QB>
+static inline void score_block(const float* const* qs, const float* kb, int64_t j, float scale, float* const* ps) {
+  constexpr int64_t D = 16 * V;
+  __m512 a[16];
+  for (int r = 0; r < 16; ++r) a[r] = _mm512_setzero_ps();
+  for (int c = 0; c < V; ++c) {
+    __m512 qr[QB];
+    for (int i = 0; i < QB; ++i) qr[i] = _mm512_loadu_ps(qs[i] + 16 * c);
+    for (int r = 0; r < 4; ++r) {
+      __m512 k = _mm512_loadu_ps(kb + (j + r) * D + 16 * c);
+      asm("" : "+v"(k));  // kept in a register: one load for the QB FMAs
+      for (int i = 0; i < QB; ++i) a[4 * i + r] = _mm512_fmadd_ps(qr[i], k, a[4 * i + r]);
+    }
+  }
+  alignas(64) float s[16];  // lane 4 i + r: query i, key j + r
+  _mm512_store_ps(s, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+  for (int i = 0; i < QB; ++i) std::memcpy(ps[i] + j, s + 4 * i, 4 * sizeof(float));
+}
+
+// QB queries' output chains over the key pairs of [j, j1), two of the D / 16 vectors at a
+// time (4 QB accumulators): each V vector loaded once for all QB queries. Per query and
+// vector the same FMAs in the same order as value_keys.
+template <int V, int QB>
+static inline void value_block(const float* const* ps, const float* vb, int64_t j, int64_t j1, float* const* ag) {
+  constexpr int64_t D = 16 * V;
+  for (int c0 = 0; c0 < V; c0 += 2) {
+    __m512 e[QB][2], o[QB][2];  // even / odd chains
+    for (int i = 0; i < QB; ++i)
+      for (int c = 0; c < 2; ++c) {
+        e[i][c] = _mm512_loadu_ps(ag[i] + 16 * (c0 + c));
+        o[i][c] = _mm512_loadu_ps(ag[i] + D + 16 * (c0 + c));
+      }
+    for (int64_t jj = j; jj + 2 <= j1; jj += 2) {
+      const float *v0 = vb + jj * D + 16 * c0, *v1 = v0 + D;
+      __m512 a0 = _mm512_loadu_ps(v0), a1 = _mm512_loadu_ps(v0 + 16);
+      __m512 b0 = _mm512_loadu_ps(v1), b1 = _mm512_loadu_ps(v1 + 16);
+      asm("" : "+v"(a0), "+v"(a1), "+v"(b0), "+v"(b1));
+      for (int i = 0; i < QB; ++i) {
+        const __m512 p0 = _mm512_set1_ps(ps[i][jj]), p1 = _mm512_set1_ps(ps[i][jj + 1]);
+        e[i][0] = _mm512_fmadd_ps(p0, a0, e[i][0]);
+        e[i][1] = _mm512_fmadd_ps(p0, a1, e[i][1]);
+        o[i][0] = _mm512_fmadd_ps(p1, b0, o[i][0]);
+        o[i][1] = _mm512_fmadd_ps(p1, b1, o[i][1]);
+      }
+    }
+    for (int i = 0; i < QB; ++i)
+      for (int c = 0; c < 2; ++c) {
+        _mm512_storeu_ps(ag[i] + 16 * (c0 + c), e[i][c]);
+        _mm512_storeu_ps(ag[i] + D + 16 * (c0 + c), o[i][c]);
+      }
+  }
+}
+
+// Keys [j0, j0 + KEY_CHUNK) for the QB queries qi[0 ..] (pass 0: scores, pass 1: output
+// chains): the keys all of them see through score_block / value_block, then each query's own
+// remaining keys through score_keys / value_keys. QB 1, a tree (IDX) or an odd V: per query.
+template <int V, bool IDX, int QB>
+static void chunk_for_block(int pass, const int64_t* qi, const float* const* qv, const int64_t* L, const float* kb,
+                            const float* vb, float scale, float* p, int64_t stride, float* acc,
+                            const int32_t* const* idx, int64_t j0) {
+  constexpr int64_t D = 16 * V;
+  int64_t j = j0, common = j0 + KEY_CHUNK;
+  for (int i = 0; i < QB; ++i) common = std::min(common, L[qi[i]]);
+  if constexpr (!IDX && V % 2 == 0 && QB > 1) {
+    const float* qs[QB];
+    float *ps[QB], *ag[QB];
+    for (int i = 0; i < QB; ++i) {
+      qs[i] = qv[qi[i]];
+      ps[i] = p + qi[i] * stride;
+      ag[i] = acc + qi[i] * 2 * D;
+    }
+    if (pass == 0)
+      for (; j + 4 <= common; j += 4) score_block<V, QB>(qs, kb, j, scale, ps);
+    else if (common - j0 >= 2) {
+      j = j0 + (common - j0) / 2 * 2;
+      value_block<V, QB>(ps, vb, j0, j, ag);
+    }
+  }
+  for (int i = 0; i < QB; ++i) {
+    const int64_t g = qi[i], j1 = std::min(j0 + KEY_CHUNK, L[g]);
+    if (j >= j1) continue;
+    auto key = [&](int64_t r) -> int64_t { return IDX ? idx[g][r] : r; };
+    if (pass == 0) score_keys<V>(qv[g], kb, j, j1, key, scale, p + g * stride);
+    else value_keys<V>(p + g * stride, vb, j, j1, key, acc + g * 2 * D);
+  }
+}
+
 // The attention of G queries that share one KV head (a GQA group's heads, each with its T
 // queries), AVX512, D = 16 V. Query g sees keys [0, L[g]) (or, IDX, the keys at rows
 // idx[g][0 .. L[g])). Keys are taken KEY_CHUNK at a time and every query of the group goes
 // over a chunk before the next one is read, so K and V come from memory once per group, not
-// once per query (at 2048 keys the 1.5B's K and V are 2 MB a KV head). Each query's
-// arithmetic is the one-query sequence whatever G and wherever the chunks fall:
-//   score j: one FMA chain over D, one horizontal sum in reduce_add's tree (16 keys at a time
-//            through scores16, the tail 8 and then 1 at a time), times scale;
+// once per query (at 2048 keys the 1.5B's K and V are 2 MB a KV head). The queries go in
+// blocks of up to 4 with the fewest keys first, so a block's queries mostly see the same keys
+// (a chain's T tokens over its heads: the heads of one token see the same keys), and a key
+// vector read from the chunk serves the whole block. Each query's arithmetic is the
+// one-query sequence whatever G, its block and wherever the chunks fall:
+//   score j: one FMA chain over D, one horizontal sum in reduce_add's tree, times scale;
 //   softmax over all its scores (softmax_avx512);
 //   out: two FMA chains over its keys (even / odd; the last odd key into the even one), the
 //        chains kept in acc between chunks, joined at the end, times 1 / sum.
+// The 1.5B's shapes (6 heads a KV head, D 128), one thread, keys in cache, against one query
+// at a time: 8 queries over 2048 keys 1116 -> 635 us, 5 queries 618 -> 372, 1 query 146 -> 102
+// (D 64: the same).
 // p: G x stride floats, acc: G x 2 D floats, sums: G floats (scratch).
 template <int V, bool IDX>
 static void attend_group_avx512(int64_t G, const float* const* qv, const int64_t* L, const float* kb, const float* vb,
@@ -163,74 +321,35 @@ static void attend_group_avx512(int64_t G, const float* const* qv, const int64_t
   constexpr int64_t D = 16 * V;
   int64_t Lmax = 0;
   for (int64_t g = 0; g < G; ++g) Lmax = std::max(Lmax, L[g]);
+  std::vector<int64_t> order(G);  // the queries, fewest keys first, in blocks of at most 4
+  for (int64_t g = 0; g < G; ++g) order[g] = g;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return L[a] < L[b]; });
+  const int64_t blocks = (G + 3) / 4;
+  auto chunk = [&](int pass, int64_t b, int64_t j0) {
+    const int64_t* qi = order.data() + G * b / blocks;
+    switch (G * (b + 1) / blocks - G * b / blocks) {
+      case 4: return chunk_for_block<V, IDX, 4>(pass, qi, qv, L, kb, vb, scale, p, stride, acc, idx, j0);
+      case 3: return chunk_for_block<V, IDX, 3>(pass, qi, qv, L, kb, vb, scale, p, stride, acc, idx, j0);
+      case 2: return chunk_for_block<V, IDX, 2>(pass, qi, qv, L, kb, vb, scale, p, stride, acc, idx, j0);
+      default: return chunk_for_block<V, IDX, 1>(pass, qi, qv, L, kb, vb, scale, p, stride, acc, idx, j0);
+    }
+  };
   for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t j1 = std::min(j0 + KEY_CHUNK, L[g]);
-      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
-      float* pg = p + g * stride;
-      __m512 qr[V];
-      for (int c = 0; c < V; ++c) qr[c] = _mm512_loadu_ps(qv[g] + 16 * c);
-      int64_t j = j0;
+    for (int64_t b = 0; b < blocks; ++b) {
       if constexpr (!IDX) {  // the next chunk of K, or after the last one the first of V
-        if (j0 + KEY_CHUNK < Lmax) prefetch_part(kb, j0 + KEY_CHUNK, std::min(j0 + 2 * KEY_CHUNK, Lmax), D, g, G);
-        else prefetch_part(vb, 0, std::min(KEY_CHUNK, Lmax), D, g, G);
+        if (j0 + KEY_CHUNK < Lmax) prefetch_part(kb, j0 + KEY_CHUNK, std::min(j0 + 2 * KEY_CHUNK, Lmax), D, b, blocks);
+        else prefetch_part(vb, 0, std::min(KEY_CHUNK, Lmax), D, b, blocks);
       }
-      if constexpr (V <= 8)  // (16 accumulators and V query vectors in 32 registers)
-        for (; j + 16 <= j1; j += 16) {
-          const float* kr[16];
-          for (int r = 0; r < 16; ++r) kr[r] = kb + key(j + r) * D;
-          _mm512_storeu_ps(pg + j, _mm512_mul_ps(scores16<V>(qr, kr), _mm512_set1_ps(scale)));
-        }
-      for (; j + 8 <= j1; j += 8) {
-        __m512 a[8];
-        for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
-        const float* kr[8];
-        for (int r = 0; r < 8; ++r) kr[r] = kb + key(j + r) * D;
-        for (int c = 0; c < V; ++c)
-          for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr[r] + 16 * c), a[r]);
-        for (int r = 0; r < 8; ++r) pg[j + r] = _mm512_reduce_add_ps(a[r]) * scale;
-      }
-      for (; j < j1; ++j) {
-        __m512 a0 = _mm512_setzero_ps();
-        for (int c = 0; c < V; ++c) a0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kb + key(j) * D + 16 * c), a0);
-        pg[j] = _mm512_reduce_add_ps(a0) * scale;
-      }
+      chunk(0, b, j0);
     }
   for (int64_t g = 0; g < G; ++g) {
     sums[g] = softmax_avx512(p + g * stride, L[g]);
     std::fill(acc + g * 2 * D, acc + (g + 1) * 2 * D, 0.f);
   }
   for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK)  // (KEY_CHUNK is even: the pairs stay pairs)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t j1 = std::min(j0 + KEY_CHUNK, L[g]);
-      if constexpr (!IDX)
-        prefetch_part(vb, j0 + KEY_CHUNK, std::min(j0 + 2 * KEY_CHUNK, Lmax), D, g, G);
-      if (j0 >= j1) continue;
-      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
-      const float* pg = p + g * stride;
-      float* ag = acc + g * 2 * D;
-      __m512 acc0[V], acc1[V];
-      for (int c = 0; c < V; ++c) {
-        acc0[c] = _mm512_loadu_ps(ag + 16 * c);
-        acc1[c] = _mm512_loadu_ps(ag + D + 16 * c);
-      }
-      int64_t j = j0;
-      for (; j + 2 <= j1; j += 2) {
-        const __m512 p0 = _mm512_set1_ps(pg[j]), p1 = _mm512_set1_ps(pg[j + 1]);
-        const float *v0 = vb + key(j) * D, *v1 = vb + key(j + 1) * D;
-        for (int c = 0; c < V; ++c) {
-          acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc0[c]);
-          acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), acc1[c]);
-        }
-      }
-      if (j < j1) {  // the last key of an odd L[g]
-        const __m512 p0 = _mm512_set1_ps(pg[j]);
-        for (int c = 0; c < V; ++c) acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vb + key(j) * D + 16 * c), acc0[c]);
-      }
-      for (int c = 0; c < V; ++c) {
-        _mm512_storeu_ps(ag + 16 * c, acc0[c]);
-        _mm512_storeu_ps(ag + D + 16 * c, acc1[c]);
-      }
+    for (int64_t b = 0; b < blocks; ++b) {
+      if constexpr (!IDX) prefetch_part(vb, j0 + KEY_CHUNK, std::min(j0 + 2 * KEY_CHUNK, Lmax), D, b, blocks);
+      chunk(1, b, j0);
     }
   for (int64_t g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
