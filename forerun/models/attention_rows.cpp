@@ -429,29 +429,33 @@ struct Group {
   }
 };
 
-// Per-thread scratch: scores (a row of cap per query), the output's two chains and the
-// softmax sums (one per query).
+// Per-thread scratch: scores (a row per query, as long as the longest query's keys), the
+// output's two chains and the softmax sums (one per query). One per thread, kept between
+// calls and only ever grown: a fresh one per layer was zero-filled to G rows of the cache's
+// capacity each time (the 1.5B at 8 queries over a 2048-key cache: 22 MB of memset a forward).
 struct Scratch {
   std::vector<float> p, acc, sums;
+  static float* at_least(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  }
 };
 
 // A group's attention over kb, vb [cap, D]: AVX512 where D is a multiple of 16 up to 256,
 // else query by query in plain C++.
 template <bool IDX>
-static void attend_group(const Group& grp, const float* kb, const float* vb, int64_t D, int64_t cap, float scale,
-                         Scratch& s) {
+static void attend_group(const Group& grp, const float* kb, const float* vb, int64_t D, float scale, Scratch& s) {
   const int64_t G = static_cast<int64_t>(grp.q.size());
-  s.p.resize(G * cap);
-  s.acc.resize(G * 2 * D);
-  s.sums.resize(G);
+  const int64_t stride = (*std::max_element(grp.L.begin(), grp.L.end()) + 15) / 16 * 16;  // (L <= cap)
+  float *p = Scratch::at_least(s.p, G * stride), *acc = Scratch::at_least(s.acc, G * 2 * D);
+  float* sums = Scratch::at_least(s.sums, G);
 #ifdef FORERUN_VNNI
-  if (attend_group_d<IDX>(D, G, grp.q.data(), grp.L.data(), kb, vb, scale, s.p.data(), cap, s.acc.data(),
-                          s.sums.data(), grp.o.data(), grp.idx.data()))
+  if (attend_group_d<IDX>(D, G, grp.q.data(), grp.L.data(), kb, vb, scale, p, stride, acc, sums, grp.o.data(),
+                          grp.idx.data()))
     return;
 #endif
   for (int64_t g = 0; g < G; ++g)
-    attend_one_scalar(grp.q[g], kb, vb, grp.L[g], D, scale, s.p.data(), s.acc.data(), s.acc.data() + D, grp.o[g],
-                      IDX ? grp.idx[g] : nullptr);
+    attend_one_scalar(grp.q[g], kb, vb, grp.L[g], D, scale, p, acc, acc + D, grp.o[g], IDX ? grp.idx[g] : nullptr);
 }
 
 static void check_cache(const torch::Tensor& k, const torch::Tensor& v) {
@@ -479,7 +483,7 @@ static void for_each_group(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64
   const int64_t parts = std::min<int64_t>(group, (at::get_num_threads() + pairs - 1) / pairs);
   const int64_t per = (group + parts - 1) / parts;
   at::parallel_for(0, pairs * parts, 1, [&](int64_t u0, int64_t u1) {
-    Scratch s;
+    thread_local Scratch s;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (Hkv * parts), kvh = u / parts % Hkv, h0 = kvh * group + u % parts * per;
       const int64_t h1 = std::min(h0 + per, (kvh + 1) * group);
@@ -515,7 +519,7 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
                    for (int64_t h = h0; h < h1; ++h)
                      for (int64_t t = 0; t < T; ++t)
                        grp.add(qp + ((b * H + h) * T + t) * D, lp[b * T + t], op + ((b * H + h) * T + t) * D);
-                   attend_group<false>(grp, kb, vb, D, cap, scale, s);
+                   attend_group<false>(grp, kb, vb, D, scale, s);
                  });
   return out;
 }
@@ -575,7 +579,7 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
                    for (int64_t h = h0; h < h1; ++h)
                      for (int64_t t = 0; t < T; ++t)
                        grp.add(qp + ((b * H + h) * T + t) * D, sp[b * T + t] + 1, op + (b * T + t) * H * D + h * D);
-                   attend_group<false>(grp, kb, vb, D, cap, scale, s);
+                   attend_group<false>(grp, kb, vb, D, scale, s);
                  });
   return out;
 }
@@ -619,7 +623,7 @@ torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
                        grp.add(qp + ((b * H + h) * T + t) * D, static_cast<int64_t>(idx.size()),
                                op + ((b * H + h) * T + t) * D, idx.data());
                      }
-                   attend_group<true>(grp, kb, vb, D, cap, scale, s);
+                   attend_group<true>(grp, kb, vb, D, scale, s);
                  });
   return out;
 }
