@@ -49,20 +49,23 @@ def kernels_digest() -> str:
 
 def weights_ident(source: Path) -> list[list]:
     """[[path, size, mtime_ns], ...] of weights_of(source): what the record is keyed by."""
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in weights_of(source)]
+    return [[str(f), (st := f.stat()).st_size, st.st_mtime_ns] for f in weights_of(source)]
 
 
 def record_path(source: Path) -> Path | None:
     """Where the record of this model's weights lives; None when they have no files."""
-    ident = weights_ident(source)
+    return path_of(weights_ident(source))
+
+
+def path_of(ident: list[list]) -> Path | None:
+    """record_path for a weights_ident already taken."""
     if not ident:
         return None
     return cache_dir() / RECORD_DIR / f"{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]}.json"
 
 
-def load(source: Path | None) -> dict:
-    """The record's rows by label ({} when there is none or it cannot be read)."""
-    path = record_path(source) if source is not None else None
+def rows_at(path: Path | None) -> dict:
+    """A record file's rows by label ({} when there is none or it cannot be read)."""
     if path is None or not path.is_file():
         return {}
     try:
@@ -71,20 +74,26 @@ def load(source: Path | None) -> dict:
         return {}
 
 
+def load(source: Path | None) -> dict:
+    """The rows of the record of `source`'s weights ({} when there is none)."""
+    return rows_at(record_path(source)) if source is not None else {}
+
+
 def save(source: Path, name: str, rows, text: str, ctx: int, chunks: int) -> Path | None:
     """Add `forerun quality`'s rows (QualityRow: label, ppl, tokens, ppl_vs_ref, kl, top1) to the
     model's record, replacing older rows of the same labels. Returns the file (None: no weights)."""
-    path = record_path(source)
+    ident = weights_ident(source)  # (stat the weights once: the key, and what the record says it is of)
+    path = path_of(ident)
     if path is None:
         return None
-    kept = load(source)
+    kept = rows_at(path)
     day, kernels = datetime.date.today().isoformat(), kernels_digest()
     for r in rows:
         label = "llama.cpp" if r.label.startswith("llama.cpp") else r.label
         kept[label] = {"ppl": r.ppl, "ppl_vs_float32": r.ppl_vs_ref, "kl": r.kl, "top1": r.top1, "tokens": r.tokens,
                        "text": text, "ctx": ctx, "chunks": chunks, "measured": day, "kernels": kernels}
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"model": name, "weights": {"files": weights_ident(source)}, "rows": kept}
+    record = {"model": name, "weights": {"files": ident}, "rows": kept}
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
     return path
 

@@ -105,7 +105,6 @@ def _read(folder: Path) -> nn.Module:
     return head
 
 
-
 def at_verifier_precision(head: nn.Module, spec, verifier) -> nn.Module:
     """The head in the verifier's dtype, its linears quantised to int8 rows when the verifier
     runs at int8 or int4 (options["head_dtype"]: "float32" keeps them float). A draft token of

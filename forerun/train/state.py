@@ -57,4 +57,3 @@ def load(folder: Path, head, opt: torch.optim.Optimizer, fixed: dict) -> tuple[i
         state.setdefault(int(i), {})[name] = t.reshape(()) if name == "step" else t
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     return meta["steps_done"], meta["history"]
-
