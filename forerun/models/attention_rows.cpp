@@ -311,8 +311,8 @@ static void chunk_for_block(int pass, const int64_t* qi, const float* const* qv,
 //   out: two FMA chains over its keys (even / odd; the last odd key into the even one), the
 //        chains kept in acc between chunks, joined at the end, times 1 / sum.
 // The 1.5B's shapes (6 heads a KV head, D 128), one thread, keys in cache, against one query
-// at a time: 8 queries over 2048 keys 1116 -> 635 us, 5 queries 618 -> 372, 1 query 146 -> 102
-// (D 64: the same).
+// at a time: 8 queries over 2048 keys 1110 -> 651 us, 5 queries 601 -> 405, 1 query 144 -> 105;
+// the 0.5B's D 64 (7 heads a KV head) 0.99-1.2x, its chunks were not held up by L2.
 // p: G x stride floats, acc: G x 2 D floats, sums: G floats (scratch).
 template <int V, bool IDX>
 static void attend_group_avx512(int64_t G, const float* const* qv, const int64_t* L, const float* kb, const float* vb,
@@ -430,9 +430,10 @@ struct Group {
 };
 
 // Per-thread scratch: scores (a row per query, as long as the longest query's keys), the
-// output's two chains and the softmax sums (one per query). One per thread, kept between
-// calls and only ever grown: a fresh one per layer was zero-filled to G rows of the cache's
-// capacity each time (the 1.5B at 8 queries over a 2048-key cache: 22 MB of memset a forward).
+// output's two chains and the softmax sums (one per query). One per thread and caller (a
+// thread_local in for_each_group's body), kept between calls and only ever grown: a fresh
+// one per layer was zero-filled to G rows of the cache's capacity each time (the 1.5B at 8
+// queries over a 2048-key cache: 22 MB of memset a forward).
 struct Scratch {
   std::vector<float> p, acc, sums;
   static float* at_least(std::vector<float>& v, int64_t n) {
