@@ -25,7 +25,9 @@ class ForwardBatch:
     slots: torch.Tensor  # [B, T] int64 cache slots written by this forward
     rows: list[int]  # [B] cache row of each batch entry
     kv_len: int  # S: this forward reads slots [0, S) of each row
-    mask: torch.Tensor  # [B, 1, T, S] bool, True = query may attend to key slot
+    # [B, 1, T, S] bool, True = query may attend to key slot; None: a chain's rule (key slot <=
+    # query slot), built when `mask` is first read (the compiled one-call layers never read it)
+    given_mask: torch.Tensor | None
     starts: list[int] | None = None  # chains only: row b writes slots starts[b] .. starts[b] + T - 1
     row_index: torch.Tensor | None = None  # [B] rows on the device, built once per forward
     # What `mask` amounts to, so the model can use attention's built-in rules (faster):
@@ -37,6 +39,14 @@ class ForwardBatch:
     def __post_init__(self):
         if self.row_index is None:
             self.row_index = torch.tensor(self.rows, device=self.tokens.device)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, T, S] bool, True = query may attend to key slot."""
+        if self.given_mask is None:
+            keys = torch.arange(self.kv_len, device=self.slots.device)
+            self.given_mask = (keys[None, None, :] <= self.slots[:, :, None])[:, None]
+        return self.given_mask
 
 
 def chain_batch(
@@ -54,18 +64,15 @@ def chain_batch(
     T = max(len(t) for t in new_tokens)
     padded = [t + [t[-1]] * (T - len(t)) for t in new_tokens]
     tokens = torch.tensor(padded, dtype=torch.long, device=device)
-    start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
-    slots = start + torch.arange(T, device=device)[None, :]
+    slots = torch.tensor([range(s, s + T) for s in starts], dtype=torch.long, device=device)
     kv_len = max(starts) + T
-    keys = torch.arange(kv_len, device=device)
-    mask = (keys[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
     # Equal starts: every row has exactly the slots [0, start) committed, so a row's rule is
     # plain causality (its padding sits after its real queries and nobody sees it).
     attention = "mask"
     if len(set(starts)) == 1:
         attention = "all" if T == 1 else "causal" if starts[0] == 0 else "mask"
     lengths = [len(t) for t in new_tokens]
-    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, mask, list(starts), attention=attention, lengths=lengths)
+    return ForwardBatch(tokens, slots, slots, list(rows), kv_len, None, list(starts), attention=attention, lengths=lengths)
 
 
 class KVCache:

@@ -15,7 +15,7 @@ from forerun.kv_cache import ForwardBatch, KVCache
 from forerun.models.base import DecoderBase, ModelOutput
 from forerun.models.config import ModelConfig
 from forerun.models.quant import WIDE_ROWS
-from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+from forerun.models.rope import RopeTable, apply_rope, inv_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -222,6 +222,7 @@ class LlamaForCausalLM(DecoderBase):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.layer_stack = None  # every layer in one compiled call (layer_rows.cpp), set by use_int8_kernels
+        self.rope_table = None  # RoPE's cos / sin by position, built on the first forward (see _rope)
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     def use_int8_kernels(self, kernel) -> None:
@@ -267,6 +268,14 @@ class LlamaForCausalLM(DecoderBase):
             layer.self_attn.fused_layer = getattr(kernel, "rope_write_attend", None)
             layer.self_attn.masked_attention = getattr(kernel, "attend_masked", None)
 
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, head_dim] of the positions (rope_cos_sin's values, by lookup)."""
+        table = self.rope_table
+        if table is None or table.source is not self.inv_freq or table.dtype != dtype:  # first call, moved, reloaded
+            rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            table = self.rope_table = RopeTable(self.inv_freq.to(rope_dtype), dtype, source=self.inv_freq)
+        return table(positions)
+
     def forward(
         self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
         skip: frozenset[int] = frozenset(),
@@ -274,14 +283,13 @@ class LlamaForCausalLM(DecoderBase):
         """The DecoderBase.forward contract."""
         cache.check_fits(batch)
         x = self.model.embed_tokens(batch.tokens)  # (B, T, C)
-        # SDPA would turn a bool mask into an additive one in every layer: do it once here,
-        # and not at all when SDPA's own rule is the same (one decode token, a fresh prefill).
-        bias = attention_bias(batch, x.dtype)
-        rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
+        cos, sin = self._rope(batch.positions, x.dtype)
         if self.layer_stack is not None and not skip and Attention._one_call(x, batch, cache):
             x = self.layer_stack(x, cos, sin, cache.k, cache.v, batch.row_index, batch.slots)
         else:
+            # SDPA would turn a bool mask into an additive one in every layer: do it once here,
+            # and not at all when SDPA's own rule is the same (one decode token, a fresh prefill).
+            bias = attention_bias(batch, x.dtype)
             for i, layer in enumerate(self.model.layers):
                 if i not in skip:
                     x = layer(x, cos, sin, batch, cache, bias)

@@ -131,7 +131,7 @@ def _unrolled_step(head, embed, prev: torch.Tensor, tokens: torch.Tensor, cache,
         mask[j, i * n + j] = True  # this column's guess-pairs of steps 2..s
     toks = tokens[:, (j + s).clamp_max(tokens.shape[1] - 1)]  # x_{j+s}
     batch = ForwardBatch(tokens=toks, positions=(j + s - 1).expand(B, n), slots=((s - 1) * n + j).expand(B, n),
-                         rows=list(range(B)), kv_len=s * n, mask=mask.expand(B, 1, n, s * n), attention="mask")
+                         rows=list(range(B)), kv_len=s * n, given_mask=mask.expand(B, 1, n, s * n), attention="mask")
     return head(prev, embed(toks).to(prev.dtype), batch, grown), grown
 
 
