@@ -10,6 +10,22 @@ import torch
 from forerun.config import SamplingParams
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] int64: logits.argmax(-1), the same indices (the first of equal
+    maxima; a NaN counts as the largest), found in two vectorized passes. torch's argmax
+    reads one value at a time (~0.4 ms over a verify step's 5 x 151,936 logits); its amax
+    is vectorized: the largest of each of up to 128 chunks, the first chunk holding the
+    row's largest, then argmax inside that chunk (~0.07 ms)."""
+    V = logits.shape[-1]
+    chunks = next((c for c in (128, 64, 32, 16) if V % c == 0), 0)
+    if V < 8192 or not chunks or logits.numel() == 0:
+        return logits.argmax(-1)
+    flat = logits.reshape(-1, chunks, V // chunks)  # [R, C, V / C]
+    chunk = flat.amax(-1).argmax(-1)  # [R] the first chunk holding the row's largest value (or its first NaN)
+    within = flat[torch.arange(flat.shape[0], device=flat.device), chunk].argmax(-1)  # [R]
+    return (chunk * (V // chunks) + within).view(logits.shape[:-1])
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] probabilities after temperature, top-k, top-p.
 
@@ -18,7 +34,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dt)
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).to(dt)
     x = logits.to(dt)
     # Shift by the max first: a tiny temperature then sends the rest to -inf, not overflow to inf.
     # (A temperature below the dtype's smallest normal, e.g. 1e-300 in float32, would divide 0 by 0.)
@@ -76,7 +92,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[list[
     """A drafter's pick from [B, V] logits: (tokens, q) with q the exact [B, V] distribution
     the tokens were drawn from, or (argmax tokens, None) when greedy."""
     if params.greedy:
-        return logits.argmax(-1).tolist(), None
+        return argmax(logits).tolist(), None
     q = logits_to_probs(logits, params)
     return sample(q, generator).tolist(), q
 

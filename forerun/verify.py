@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from forerun.config import TypicalRule
-from forerun.sampling import sample
+from forerun.sampling import argmax, sample
 
 
 @dataclass
@@ -46,7 +46,7 @@ def greedy_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_l
     >>> r.num_accepted.tolist(), r.next_token.tolist()
     ([1], [2])
     """
-    best = target_logits.argmax(dim=-1)  # [B, K + 1]
+    best = argmax(target_logits)  # [B, K + 1]
     n = _accepted_prefix(draft_tokens == best[:, :-1], draft_lens)
     return VerifyResult(n, best.gather(1, n[:, None]).squeeze(1))
 
