@@ -5,9 +5,16 @@
 // a few microseconds, 24-28 times a forward. This runs the same ops from C++:
 //   h = x + o(rope_write_attend(qkv(x)));   out = h + down(silu(gate) * up), gate_up(h) = [gate | up]
 // with the RMSNorms already folded into the qkv and gate_up kernels (absorb_norm). Every op is
-// the one the Python layer calls (the same kernels, at::add / at::silu / at::mul on the same
-// views), so the bits are the op-by-op path's: tests/test_int8_identity.py checks it.
+// the one the Python layer calls (the same kernels, silu_mul_rows, an IEEE add for each
+// residual), so the bits are the op-by-op path's: tests/test_int8_identity.py checks it.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias,
                         torch::Tensor norm_w, double eps);
@@ -59,17 +66,92 @@ struct KernelLinear {
   }
 };
 
+// exp(x) as 2^n p(r): n = round(x log2 e), r = x - n ln 2 in two FMA steps, p Cephes' degree-6
+// polynomial (about 1 ulp on the range silu meets). One instruction sequence for every element
+// of a build: AVX-512 builds run 16 lanes at a time with a masked tail, the others the scalar
+// form, so a token's values never depend on where in a row or a batch it sits.
+constexpr float EXP_LOG2E = 1.44269504088896341f, EXP_C1 = 0.693359375f, EXP_C2 = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+
+#ifdef __AVX512F__
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+  // exp(-g), its argument held to where float's exp goes from 0 to inf (scalef takes it there)
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
+  __m512 p = _mm512_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[i]));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));  // p r^2 + r + 1
+  const __m512 e = _mm512_scalef_ps(y, n);  // y 2^n: inf past float's range, 0 below it
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+#else
+static inline float silu_mul1(float g, float u) {
+  const float x = std::fmin(std::fmax(-g, -104.f), 89.f);  // as the vector form
+  const float n = std::nearbyint(x * EXP_LOG2E);
+  float r = std::fma(-n, EXP_C1, x);
+  r = std::fma(-n, EXP_C2, r);
+  float p = EXP_P[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, EXP_P[i]);
+  const float y = std::fma(p * r, r, r) + 1.f;
+  return g / (1.f + std::ldexp(y, static_cast<int>(n))) * u;
+}
+#endif
+
+// gu [..., 2I] float32, gate_up's [gate | up] -> [..., I]: silu(gate) * up, in one pass over
+// both threads (at::silu and at::mul_ took ~15 us a layer on the main thread, most of it
+// dispatch and cache misses right after the weights streamed through). The one-call layer
+// and MLP.forward (the op-by-op path) both call this: the same bits either way.
+torch::Tensor silu_mul_rows(torch::Tensor gu_in) {
+  TORCH_CHECK(gu_in.scalar_type() == torch::kFloat32 && gu_in.dim() >= 1 && gu_in.size(-1) % 2 == 0,
+              "silu_mul_rows: float32 [..., 2I]");
+  const auto gu = gu_in.contiguous();
+  const int64_t I = gu.size(-1) / 2, N = gu.numel() / (2 * I), V = (I + 15) / 16;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gu.options());
+  const float* src = gu.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, N * V, 64, [&](int64_t v0, int64_t v1) {  // 16 outputs a step
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t row = v / V, j = (v % V) * 16, n = std::min<int64_t>(16, I - j);
+      const float *g = src + row * 2 * I + j, *u = g + I;
+      float* o = dst + row * I + j;
+#ifdef __AVX512F__
+      const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+      _mm512_mask_storeu_ps(o, m, silu_mul16(_mm512_maskz_loadu_ps(m, g), _mm512_maskz_loadu_ps(m, u)));
+#else
+      for (int64_t l = 0; l < n; ++l) o[l] = silu_mul1(g[l], u[l]);
+#endif
+    }
+  });
+  return out;
+}
+
+// out += x, element by element (at::add_'s values: one IEEE add each), without a dispatch.
+static torch::Tensor& add_rows_(torch::Tensor& out, const torch::Tensor& x) {
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "add_rows_: same shapes, float32");
+  const auto xc = x.contiguous();
+  float* o = out.data_ptr<float>();
+  const float* a = xc.data_ptr<float>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) o[i] += a[i];
+  return out;
+}
+
 // x [B, T, C] float32 -> [B, T, C]; the attention arguments as rope_write_attend takes them.
 torch::Tensor decoder_layer_rows(torch::Tensor x, const KernelLinear& qkv, const KernelLinear& o,
                                  const KernelLinear& gate_up, const KernelLinear& down, torch::Tensor cos,
                                  torch::Tensor sin, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
                                  torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale) {
-  // Fresh outputs are added to in place and gate / up are narrowed, not chunked: the same
-  // values (float addition commutes), fewer allocations and dispatches.
-  const auto h = o(rope_write_attend(qkv(x), cos, sin, k, v, rows, slots, heads, kv_heads, scale)).add_(x);
-  const auto gu = gate_up(h);
-  const int64_t inter = gu.size(-1) / 2;
-  return down(at::silu(gu.narrow(-1, 0, inter)).mul_(gu.narrow(-1, inter, inter))).add_(h);
+  // Fresh outputs are added to in place: the same values (float addition commutes), fewer
+  // allocations and dispatches.
+  auto h = o(rope_write_attend(qkv(x), cos, sin, k, v, rows, slots, heads, kv_heads, scale));
+  add_rows_(h, x);
+  auto out = down(silu_mul_rows(gate_up(h)));
+  return add_rows_(out, h);
 }
 
 // A decoder's layers, each as decoder_layer_rows runs it, from one call: between 24-28 layer
@@ -107,5 +189,6 @@ void bind_layer_rows(pybind11::module& m) {
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<std::vector<KernelLinear>, int64_t, int64_t, double>())
       .def("__call__", &LayerStack::operator(), "every layer's decoder_layer_rows in turn");
+  m.def("silu_mul_rows", &silu_mul_rows, "silu(gate) * up of gate_up's [gate | up], forerun's exp, any number of rows");
   m.def("decoder_layer_rows", &decoder_layer_rows, "a chain's int8 / int4 / gguf decoder layer in one call (the same bits)");
 }

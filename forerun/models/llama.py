@@ -23,8 +23,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # the compiled rms_norm_rows (the kernel linears' own norm), set by use_int8_kernels
 
     def forward(self, x):
+        if self.kernel is not None and x.dtype == torch.float32:
+            return self.kernel(x, self.weight, self.eps)
         if x.dtype in (torch.float32, torch.float64):  # one fused kernel, same math
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Lower precision: normalise in float32 (bfloat16 variance is too coarse), like the reference.
@@ -148,9 +151,13 @@ class MLP(nn.Module):
         # gate and up in one GEMM (HF's gate_proj/up_proj concatenated at load time).
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.silu_mul = None  # the kernel models' compiled silu(gate) * up (the one-call layer's), set by use_int8_kernels
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_mul is not None and gate_up.dtype == torch.float32:
+            return self.down_proj(self.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -241,8 +248,13 @@ class LlamaForCausalLM(DecoderBase):
             # both norms inside their linears: the layer can run as one call
             folded = all(isinstance(n, nn.Identity) for n in (layer.input_layernorm, layer.post_attention_layernorm))
             layer.fused_block = getattr(kernel, "decoder_layer_rows", None) if folded else None
+            layer.mlp.silu_mul = getattr(kernel, "silu_mul_rows", None)
         self.use_chain_attention_kernel(kernel)
         self.layer_stack = self._stack(kernel)
+        # The final norm by the same compiled code as the layers' folded ones: torch's, called
+        # once a forward right after the weights streamed through the caches, took ~200 us
+        # of a 7 ms drafter forward (its code and data evicted); this one stays cached.
+        self.model.norm.kernel = getattr(kernel, "rms_norm_rows", None)
 
     def _stack(self, kernel):
         """Every layer's one-call form from one call (layer_rows.cpp's LayerStack), bound to
