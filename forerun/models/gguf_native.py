@@ -2,7 +2,7 @@
 
 Why: every other precision changes the weights the user downloaded. float32 dequantizes the
 file exactly but streams 4-8x the bytes; int8 / int4 re-quantize weights that were already
-quantized (Qwen2.5-Coder-1.5B Q4_K_M: +0.18% / +1.00% perplexity since 2026-12-04; +1.7% / +4.6%
+quantized (Qwen2.5-Coder-1.5B Q4_K_M: +0.19% / +1.04% perplexity since 2026-12-04; +1.7% / +4.6%
 at first). Here every linear keeps the
 file's blocks byte for byte (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; ggml's layouts,
 gguf_rows.cpp) and the activations are quantized per block of the weight's width, as
