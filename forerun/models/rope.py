@@ -63,9 +63,11 @@ class RopeTable:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] (>= 0: slots' positions never are negative) -> cos, sin
         [B, 1, T, head_dim], as rope_cos_sin gives them."""
+        if positions.device.type != "cpu" and positions.numel() and int(positions.max()) >= len(self.cos):
+            self._grow(max(2 * len(self.cos), int(positions.max()) + 1))  # an accelerator asserts, not raises
         try:
             return self.cos[positions][:, None], self.sin[positions][:, None]
-        except IndexError:  # past the table (checked by the indexing itself: no extra op a step)
+        except IndexError:  # past the table (on the CPU the indexing checks: no extra op a step)
             self._grow(max(2 * len(self.cos), int(positions.max()) + 1))
             return self.cos[positions][:, None], self.sin[positions][:, None]
 
