@@ -11,6 +11,7 @@ A paged cache keeps this interface: slots become (block, offset) through a block
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +41,13 @@ class ForwardBatch:
         if self.row_index is None:
             self.row_index = torch.tensor(self.rows, device=self.tokens.device)
 
-    @property
+    @functools.cached_property
     def mask(self) -> torch.Tensor:
         """[B, 1, T, S] bool, True = query may attend to key slot."""
-        if self.given_mask is None:
-            keys = torch.arange(self.kv_len, device=self.slots.device)
-            self.given_mask = (keys[None, None, :] <= self.slots[:, :, None])[:, None]
-        return self.given_mask
+        if self.given_mask is not None:
+            return self.given_mask
+        keys = torch.arange(self.kv_len, device=self.slots.device)
+        return (keys[None, None, :] <= self.slots[:, :, None])[:, None]
 
 
 def chain_batch(

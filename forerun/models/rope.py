@@ -52,7 +52,6 @@ class RopeTable:
     def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype, size: int = 4096, source: torch.Tensor | None = None):
         self.inv_freq, self.dtype = inv_freq, dtype  # [head_dim // 2] in the angles' dtype; cos / sin's dtype
         self.source = source  # the buffer inv_freq was taken from (its owner rebuilds the table when it changes)
-        self.cos = self.sin = torch.empty(0, 2 * len(inv_freq), dtype=dtype, device=inv_freq.device)
         self._grow(size)
 
     def _grow(self, size: int):
@@ -60,15 +59,20 @@ class RopeTable:
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [1, 1, P, hd]
         self.cos, self.sin = cos[0, 0], sin[0, 0]
 
+    def _cover(self, positions: torch.Tensor):
+        """Grow the table to hold every one of these positions (at least doubling it)."""
+        if positions.numel() and int(positions.max()) >= len(self.cos):
+            self._grow(max(2 * len(self.cos), int(positions.max()) + 1))
+
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] (>= 0: slots' positions never are negative) -> cos, sin
         [B, 1, T, head_dim], as rope_cos_sin gives them."""
-        if positions.device.type != "cpu" and positions.numel() and int(positions.max()) >= len(self.cos):
-            self._grow(max(2 * len(self.cos), int(positions.max()) + 1))  # an accelerator asserts, not raises
+        if positions.device.type != "cpu":
+            self._cover(positions)  # an accelerator asserts on an index past the table, not raises
         try:
             return self.cos[positions][:, None], self.sin[positions][:, None]
         except IndexError:  # past the table (on the CPU the indexing checks: no extra op a step)
-            self._grow(max(2 * len(self.cos), int(positions.max()) + 1))
+            self._cover(positions)
             return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
