@@ -148,3 +148,25 @@ def test_prompts_are_written_in_the_prefill():
     assert drafter.prompt_seconds > 0 and drafter.fed_tokens >= sum(len(p) - 1 for p in PROMPTS)
     first_step = widths.index(1)  # after the prefill's forwards (their width: the longest prompt but one)
     assert widths[:first_step] == [max(len(p) for p in PROMPTS) - 1] and max(widths[first_step:]) <= 2
+
+
+def test_pick_is_the_argmax_of_the_full_row():
+    """A greedy drafter's pick (no verifier-wide row written) equals argmax over forward()'s
+    row: ties go to the lower id, whether kept or extra, and a NaN counts as the largest."""
+    from forerun.drafters.draft_vocab import ReducedHead
+
+    torch.manual_seed(0)
+    full = torch.nn.Linear(16, 64, bias=False)
+    with torch.no_grad():  # small integers: every kernel's sums are exact, so ties are real ties
+        full.weight.copy_(torch.randint(-2, 3, (64, 16)))
+        full.weight[50] = full.weight[20] = full.weight[7] * 3  # kept 50 and extra 20 tie
+    head = ReducedHead(full, torch.tensor([0, 1, 2, 7, 50, 60]), 64, "float32")
+    hidden = torch.randint(-2, 3, (40, 16)).float()
+    hidden[:20] = full.weight[7].detach()  # rows where 20 and 50 tie at the top: the extra id is lower
+    for extra in (None, [20, 40], [3, 20]):
+        assert head.pick(hidden, extra) == head(hidden, extra).argmax(-1).tolist()
+    assert set(head.pick(hidden[:20], [20])) == {20}
+    with torch.no_grad():
+        full.weight[40] = float("nan")
+    head._extra = None  # the extra rows are read again
+    assert head.pick(hidden, [20, 40]) == [40] * 40 == head(hidden, [20, 40]).argmax(-1).tolist()

@@ -17,6 +17,32 @@ def test_no_match_and_limits():
     assert find_continuation([5], 2, 1, 3) == []
 
 
+def _per_n_scan(tokens, n_max, n_min, k):
+    """The search as it was first written: one sliding-window scan per n, longest first."""
+    import numpy as np
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    if k <= 0 or len(tokens) < 2:
+        return []
+    arr = np.asarray(tokens)
+    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(arr[:-1], n) == arr[-n:]).all(axis=1))
+        if hits.size:
+            return arr[hits[-1] + n : hits[-1] + n + k].tolist()
+    return []
+
+
+def test_one_scan_finds_what_a_scan_per_n_finds():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        toks = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(1, 40))]
+        n_max = rng.randrange(1, 6)
+        n_min, k = rng.randrange(1, n_max + 1), rng.randrange(0, 5)
+        assert find_continuation(toks, n_max, n_min, k) == _per_n_scan(toks, n_max, n_min, k), (toks, n_max, n_min, k)
+
+
 def test_drafter_respects_per_request_k():
     d = NgramDrafter(3, 1)
     out = d.propose([DraftRequest(0, [1, 2, 3, 1, 2], 2), DraftRequest(1, [1, 2, 3, 1, 2], 0)], None, None)

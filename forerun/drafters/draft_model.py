@@ -138,8 +138,7 @@ class DraftModelDrafter:
         while live:
             batch = chain_batch(new, starts, [r.row for r in live], self.model.device)  # step 0: 1-2 + guesses; then 1
             at = [list(range(f - 1, len(t))) for f, t in zip(fed, new)]  # the last fed token's position, each guess's
-            logits = self._logits(batch, at)  # [N, V], N = positions over the rows, in order
-            toks, q = draw(logits, params, generator)
+            toks, q, logits = self._draw(batch, at, params, generator)  # N = positions over the rows, in order
             first = [0, *itertools.accumulate(len(a) for a in at)][:-1]  # each row's first position in [N]
             if step == 0 and self.tree_width > 1:
                 siblings = self._siblings(logits[first], None if q is None else q[first], [r.row for r in live],
@@ -189,21 +188,36 @@ class DraftModelDrafter:
         n_max, n_min = self.lookup
         return [find_continuation(r.tokens, n_max, n_min, r.k - 1) for r in live]
 
+    def _draw(self, batch, at: list[list[int]], params: SamplingParams, generator):
+        """(tokens [N], q [N, V] or None, logits [N, V] or None) at positions at[b] of each row
+        b. Greedy over a reduced head with nothing else reading the logits (no siblings, no
+        p_min): only the head's pick, no verifier-wide rows (logits None)."""
+        if self.head is not None and params.greedy and self.tree_width == 1 and self.p_min <= 0:
+            return self.head.pick(self._hidden(batch, at)), None, None
+        logits = self._logits(batch, at)
+        return *draw(logits, params, generator), logits
+
+    def _hidden(self, batch, at: list[list[int]]) -> torch.Tensor:
+        """[N, H]: the last hidden states at positions at[b] of each row b (rows in order)."""
+        dev = self.model.device
+        rows = torch.tensor([b for b, a in enumerate(at) for _ in a], device=dev)  # [N]
+        hidden = self.model(batch, self.cache, logits_at=None).hidden  # [B, T, H]
+        return hidden[rows, torch.tensor([p for a in at for p in a], device=dev)]
+
     def _logits(self, batch, at: list[list[int]]) -> torch.Tensor:
         """[N, V]: the logits at positions at[b] of each row b (rows in order), over the
         verifier's vocabulary."""
         if self.head is None and batch.tokens.shape[1] == 1:  # one token a row: its logits, nothing to pick
             return fit_vocab(self.model(batch, self.cache, logits_at="all").logits[:, 0], self.vocab_size)
-        dev = self.model.device
-        rows = torch.tensor([b for b, a in enumerate(at) for _ in a], device=dev)  # [N]
         if self.head is None:
+            dev = self.model.device
+            rows = torch.tensor([b for b, a in enumerate(at) for _ in a], device=dev)  # [N]
             width = max(len(a) for a in at)
             idx = torch.tensor([a + a[-1:] * (width - len(a)) for a in at], device=dev)  # [B, P], ragged rows padded
             logits = self.model(batch, self.cache, logits_at=idx).logits  # [B, P, V]
             slot = torch.tensor([j for a in at for j in range(len(a))], device=dev)  # [N]
             return fit_vocab(logits[rows, slot], self.vocab_size)
-        hidden = self.model(batch, self.cache, logits_at=None).hidden  # [B, T, H]
-        return self.head(hidden[rows, torch.tensor([p for a in at for p in a], device=dev)])
+        return self.head(self._hidden(batch, at))
 
     def _siblings(self, logits, q, rows, params: SamplingParams, generator):
         """Extra first-position candidates. Greedy: the next-best distinct tokens (a

@@ -19,10 +19,13 @@ greedy answers to 2 prompts of each Spec-Bench subtask and HumanEval: the first 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from forerun.sampling import argmax
 
 
 def kept_ids(vocab_size: int, keep: int, special_ids: set[int]) -> torch.Tensor:
@@ -83,13 +86,43 @@ class ReducedHead(nn.Module):
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         full.index_copy_(-1, self.ids, sub)
         if extra:
-            key = tuple(extra)
-            if self._extra is None or self._extra[0] != key:
-                at = torch.tensor(key, dtype=torch.long, device=self.ids.device)
-                self._extra = (key, at, self._full_rows(at).float())  # [n, hidden]
-            _, at, rows = self._extra
-            full.index_copy_(-1, at, hidden.float() @ rows.T)
+            at, scores = self._extra_scores(hidden, extra)
+            full.index_copy_(-1, at, scores)
         return full
+
+    def pick(self, hidden: torch.Tensor, extra: list[int] | None = None) -> list[int]:
+        """[N] ids: argmax(-1) of forward(hidden, extra) for hidden [N, C], found without
+        writing the verifier-wide row (a greedy drafter needs only the pick): the best kept id
+        against the best extra id, ties to the lower id and a NaN counting as the largest, as
+        argmax over the whole row does."""
+        sub = self.head(hidden).float()  # [N, n]
+        best = argmax(sub)
+        ids = self.ids[best].tolist()
+        if not extra:
+            return ids
+        at, scores = self._extra_scores(hidden, extra)  # [m], [N, m]
+        eb = argmax(scores)
+        vals, evals = sub.gather(-1, best[:, None])[:, 0].tolist(), scores.gather(-1, eb[:, None])[:, 0].tolist()
+        return [_first_largest(i, v, e, ev) for i, v, e, ev in zip(ids, vals, at[eb].tolist(), evals)]
+
+    def _extra_scores(self, hidden: torch.Tensor, extra: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [m], their logits [N, m]) through float rows of the full head, gathered once per distinct set."""
+        key = tuple(extra)
+        if self._extra is None or self._extra[0] != key:
+            at = torch.tensor(key, dtype=torch.long, device=self.ids.device)
+            self._extra = (key, at, self._full_rows(at).float())  # [m, hidden]
+        _, at, rows = self._extra
+        return at, hidden.float() @ rows.T
+
+
+def _first_largest(i: int, v: float, j: int, w: float) -> int:
+    """Of ids i and j with logits v and w, the one argmax over a row holding both picks.
+    >>> _first_largest(5, 1.0, 3, 1.0), _first_largest(5, float("nan"), 3, 2.0), _first_largest(5, 1.0, 3, float("nan"))
+    (3, 5, 3)
+    """
+    if math.isnan(v) or math.isnan(w):
+        return i if math.isnan(v) and (not math.isnan(w) or i < j) else j
+    return i if v > w or (v == w and i < j) else j
 
 
 class ContextIds:
@@ -132,6 +165,9 @@ class ContextHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden, self.extra)
+
+    def pick(self, hidden: torch.Tensor) -> list[int]:
+        return self.head.pick(hidden, self.extra)
 
 
 def reduced_head(spec, llm, vocab: int):

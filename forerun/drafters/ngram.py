@@ -25,16 +25,24 @@ def find_continuation(tokens: list[int], n_max: int, n_min: int, k: int) -> list
     if k <= 0 or len(tokens) < 2:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
-        suffix = arr[-n:]
-        # windows over arr[:-1] end at most at len - 2, so a continuation always exists
-        # and the suffix never matches itself.
-        windows = sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()
-    return []
+    # Match ends e (the window arr[e - n + 1 .. e], e <= len - 2, so a continuation always
+    # exists and the suffix never matches itself), narrowed one token further back per n:
+    # one scan of the context for the last token instead of one per n.
+    if min(n_max, len(arr) - 1) < max(n_min, 1):
+        return []
+    ends = np.flatnonzero(arr[:-1] == arr[-1])
+    found = ends if n_min <= 1 else ends[:0]
+    for n in range(2, min(n_max, len(arr) - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[arr[ends - (n - 1)] == arr[-n]]
+        if not ends.size:
+            break
+        if n >= n_min:
+            found = ends
+    if not found.size:
+        return []
+    start = int(found[-1]) + 1
+    return arr[start : start + k].tolist()
 
 
 def find_continuations(tokens: list[int], n_max: int, n_min: int, k: int, branches: int) -> list[list[int]]:
