@@ -365,3 +365,15 @@ def test_these_checks_catch_batch_dependent_attention(verifier):
     ragged = [[(7 * i + j) % 30 + 1 for j in range(3 + i)] for i in range(12)] + LONG_PROMPTS
     assert _rows_differing_alone(verifier.model, ragged) == 0
     assert _rows_differing_alone(model, ragged) > 0
+
+
+def test_silu_mul_rows_takes_empty_inputs():
+    """No rows, or a zero-width [gate | up]: an empty result of the right shape, not a crash."""
+    import torch
+
+    kernel = int8_kernel.load()
+    assert kernel.silu_mul_rows(torch.zeros(3, 0)).shape == (3, 0)
+    assert kernel.silu_mul_rows(torch.zeros(0, 8)).shape == (0, 4)
+    gu = torch.randn(2, 3, 10)
+    want = torch.nn.functional.silu(gu[..., :5]) * gu[..., 5:]
+    assert torch.allclose(kernel.silu_mul_rows(gu), want, rtol=1e-6, atol=1e-6)

@@ -108,10 +108,12 @@ torch::Tensor silu_mul_rows(torch::Tensor gu_in) {
   TORCH_CHECK(gu_in.scalar_type() == torch::kFloat32 && gu_in.dim() >= 1 && gu_in.size(-1) % 2 == 0,
               "silu_mul_rows: float32 [..., 2I]");
   const auto gu = gu_in.contiguous();
-  const int64_t I = gu.size(-1) / 2, N = gu.numel() / (2 * I), V = (I + 15) / 16;
+  const int64_t I = gu.size(-1) / 2;
   auto sizes = gu.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, gu.options());
+  if (out.numel() == 0) return out;  // no rows, or [..., 0]: nothing to compute (and no division by I)
+  const int64_t N = gu.numel() / (2 * I), V = (I + 15) / 16;
   const float* src = gu.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, N * V, 64, [&](int64_t v0, int64_t v1) {  // 16 outputs a step
