@@ -17,7 +17,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     torch's reads one value at a time (a verify step's 5 x 151,936 logits: ~380 us against
     ~50; a reduced draft head's 32,790: ~30 against ~3)."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and logits.numel():
-        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1), dtype=np.int64))
     return logits.argmax(-1)
 
 

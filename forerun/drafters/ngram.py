@@ -25,11 +25,11 @@ def find_continuation(tokens: list[int], n_max: int, n_min: int, k: int) -> list
     if k <= 0 or len(tokens) < 2:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
+    if min(n_max, len(arr) - 1) < max(n_min, 1):
+        return []
     # Match ends e (the window arr[e - n + 1 .. e], e <= len - 2, so a continuation always
     # exists and the suffix never matches itself), narrowed one token further back per n:
     # one scan of the context for the last token instead of one per n.
-    if min(n_max, len(arr) - 1) < max(n_min, 1):
-        return []
     ends = np.flatnonzero(arr[:-1] == arr[-1])
     found = ends if n_min <= 1 else ends[:0]
     for n in range(2, min(n_max, len(arr) - 1) + 1):
