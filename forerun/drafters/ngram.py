@@ -7,10 +7,29 @@ with x removed (verify.rejection_verify).
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.kv_cache import KVCache
+
+
+def match_ends(arr: np.ndarray, n_max: int) -> list[np.ndarray]:
+    """levels[n - 1]: the ends e of the earlier matches of arr's last n tokens (the window
+    arr[e - n + 1 .. e]), ascending, for n = 1, 2, ... up to n_max or the first n without
+    one. Every e <= len - 2, so a continuation always exists and the suffix never matches
+    itself. The last token's matches are found in one scan of the context; each longer n
+    only narrows the previous n's by one token further back.
+    >>> [e.tolist() for e in match_ends(np.array([1, 2, 3, 9, 1, 2]), 3)]
+    [[1], [1]]
+    """
+    ends, levels = np.flatnonzero(arr[:-1] == arr[-1]), []
+    for n in range(1, min(n_max, len(arr) - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[arr[ends - (n - 1)] == arr[-n]]
+        if not ends.size:
+            break
+        levels.append(ends)
+    return levels
 
 
 def find_continuation(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
@@ -25,23 +44,10 @@ def find_continuation(tokens: list[int], n_max: int, n_min: int, k: int) -> list
     if k <= 0 or len(tokens) < 2:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    if min(n_max, len(arr) - 1) < max(n_min, 1):
+    levels = match_ends(arr, n_max)  # the longest n with a match is the last level
+    if len(levels) < max(n_min, 1):
         return []
-    # Match ends e (the window arr[e - n + 1 .. e], e <= len - 2, so a continuation always
-    # exists and the suffix never matches itself), narrowed one token further back per n:
-    # one scan of the context for the last token instead of one per n.
-    ends = np.flatnonzero(arr[:-1] == arr[-1])
-    found = ends if n_min <= 1 else ends[:0]
-    for n in range(2, min(n_max, len(arr) - 1) + 1):
-        ends = ends[ends >= n - 1]
-        ends = ends[arr[ends - (n - 1)] == arr[-n]]
-        if not ends.size:
-            break
-        if n >= n_min:
-            found = ends
-    if not found.size:
-        return []
-    start = int(found[-1]) + 1
+    start = int(levels[-1][-1]) + 1
     return arr[start : start + k].tolist()
 
 
@@ -54,11 +60,11 @@ def find_continuations(tokens: list[int], n_max: int, n_min: int, k: int, branch
     if k <= 0 or len(tokens) < 2:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
+    levels = match_ends(arr, n_max)
     found: list[list[int]] = []
-    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
-        windows = sliding_window_view(arr[:-1], n)
-        for hit in np.flatnonzero((windows == arr[-n:]).all(axis=1))[::-1]:
-            cont = arr[hit + n : hit + n + k].tolist()
+    for n in range(len(levels), max(n_min, 1) - 1, -1):
+        for e in levels[n - 1][::-1]:
+            cont = arr[e + 1 : e + 1 + k].tolist()
             if cont not in found:
                 found.append(cont)
             if len(found) == branches:
