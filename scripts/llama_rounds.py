@@ -5,9 +5,11 @@
 
 `forerun bench --vs llama.cpp` runs one engine after the other; on a machine whose memory speed
 drifts within minutes that ratio moves by 20%. Here every round runs each forerun configuration on
-the same prompts (greedy, decode-only tok/s) with `llama-bench -p 0 -n N -t T` before the first,
-between each two and after the last, and a configuration's ratio is over the mean of the llama.cpp
-runs just before and after it. Configurations: `--config DTYPE:K[:LOOKUP[:DRAFT_DTYPE]]` (the
+the same prompts (greedy, decode-only tok/s) with `llama-bench -p 0 -n N -t T -d D` before the
+first, between each two and after the last, and a configuration's ratio is over the mean of the
+llama.cpp runs just before and after it. D (--depth) is the context llama.cpp decodes after: by
+default the prompts' mean length, as forerun decodes after each prompt (each token's attention
+reads the whole context, so llama.cpp at no context would decode long prompts faster than it can). Configurations: `--config DTYPE:K[:LOOKUP[:DRAFT_DTYPE]]` (the
 verifier's dtype, k, optionally --draft-lookup's N and the drafter's precision), the drafter given by
 --draft-model / --draft-dtype (its default precision) / --draft-vocab.
 """
@@ -26,14 +28,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from forerun import LLM, SamplingParams  # noqa: E402
+from forerun.bench.peers import llama_bench_cmd, mean_depth  # noqa: E402
 from forerun.config import SpeculativeConfig  # noqa: E402
 from forerun.metrics import merge  # noqa: E402
 from forerun.prompts import load_prompts  # noqa: E402
 
 
-def llama_bench(bin_dir: Path, gguf: str, tokens: int, threads: int) -> float:
-    """llama.cpp's plain decode rate (tok/s) for `tokens` new tokens, one repetition."""
-    cmd = [str(bin_dir / "llama-bench"), "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+def llama_bench(bin_dir: Path, gguf: str, tokens: int, threads: int, depth: int) -> float:
+    """llama.cpp's plain decode rate (tok/s) for `tokens` new tokens after `depth` of context, one repetition."""
+    cmd = llama_bench_cmd(bin_dir, gguf, tokens, threads, depth, repetitions=1)
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -56,7 +59,11 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--depth", default="auto", help="tokens of context llama-bench decodes after (its -d): a number, "
+                    "or auto, the prompts' mean length (forerun decodes after each prompt; 0 was the rule before 2026-12-05)")
     args = ap.parse_args()
+    if args.depth != "auto" and not (args.depth.isdigit()):
+        raise SystemExit(f"--depth: a number of tokens or auto, got {args.depth!r}")
     torch.set_num_threads(args.threads)
     configs = {}
     drafts = {}  # one drafter per precision, shared by the configs
@@ -78,6 +85,9 @@ def main() -> int:
     texts = [next(iter(configs.values()))[0].apply_chat_template([{"role": "user", "content": p.text}])
              if p.chat else p.text for p in prompts]  # one tokenizer: the configurations share the model
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    first = next(iter(configs.values()))[0]
+    depth = mean_depth(first.encode(texts)) if args.depth == "auto" else int(args.depth)
+    print(f"{len(texts)} prompts; llama-bench decodes after {depth} tokens of context (-d)", flush=True)
     for llm, spec in configs.values():  # warm-up: kernels, caches, the drafter's first load
         llm.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=16), speculative=spec)
     # llama.cpp runs before the first configuration, between each two and after the last: each
@@ -88,7 +98,7 @@ def main() -> int:
     end_to_end: dict[str, list[float]] = {}  # forerun's tok/s with the prompt's prefill counted
 
     def bench() -> float:
-        return llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads)
+        return llama_bench(args.llama_cpp_dir, args.gguf, args.max_new_tokens, args.threads, depth)
 
     for r in range(args.rounds):
         before = bench()

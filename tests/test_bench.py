@@ -189,6 +189,32 @@ def test_peers_that_cannot_run_are_skipped_with_the_reason(monkeypatch):
     assert any("llama-bench" in s and "cmake" in s for s in peers["skipped"])
 
 
+def test_llama_cpp_peer_decodes_after_the_prompts_mean_context(tmp_path):
+    """llama-bench runs with -d = the prompts' mean length: forerun decodes after each prompt,
+    and llama.cpp's decode rate at no context would be faster than it gets on those prompts."""
+    import doctest
+    import stat
+
+    from forerun.bench import peers
+
+    assert doctest.testmod(peers).failed == 0
+    calls = tmp_path / "calls.txt"
+    for name, body in {"llama-bench": f'echo "$@" >> {calls}; echo \'[{{"avg_ts": 12.5}}]\'',
+                       "llama-speculative-simple": 'echo "decoded 8 tokens in 0.5 seconds" >&2; echo "accept = 50.0%" >&2'}.items():
+        exe = tmp_path / name
+        exe.write_text(f"#!/bin/sh\n{body}\n")
+        exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    verifier = LLM(tiny_model(seed=0, num_hidden_layers=2))
+    setup = peers.PeerSetup([[1, 2, 3], [4, 5, 6, 7, 8, 9, 1]], ["a", "b"], 8, 3, gguf=gguf, llama_dir=str(tmp_path))
+    rows = peers.run_peers(verifier, ["llama.cpp"], setup)["rows"]
+    bench = next(r for r in rows if r["engine"].startswith("llama.cpp plain"))
+    args = calls.read_text().split()
+    assert bench["tokens_per_s"] == 12.5 and args[args.index("-d") + 1] == "5" and "5 tokens of context" in bench["note"]
+    assert next(r for r in rows if "lookup" in r["engine"])["tokens_per_s"] == 16.0
+
+
 def test_advisor_prefers_a_proven_gain_over_a_wider_higher_point():
     cells = [cell("s", "ngram k=5", 5, 1.27, 1.20, 1.38), cell("s", "ngram k=auto", "auto", 1.28, 0.97, 1.68)]
     a = advise({"cells": cells})[0]

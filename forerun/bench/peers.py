@@ -131,8 +131,10 @@ def _llama_cpp(setup: PeerSetup, ref: dict) -> tuple[list[dict], list[str]]:
     if setup.gguf is None:
         return [], ["llama.cpp: no GGUF file for this model (use an embedded model or a .gguf --model)"]
     base = ref["decode_tokens_per_s"]
-    rows = [{**_row("llama.cpp plain (llama-bench)", _llama_bench(bindir, setup), base),
-             "note": f"decode only, {setup.gguf.name} (its own quantisation)"}]
+    depth = mean_depth(setup.prompts)
+    rows = [{**_row("llama.cpp plain (llama-bench)", _llama_bench(bindir, setup, depth), base),
+             "note": f"decode only after {depth} tokens of context (the prompts' mean), {setup.gguf.name} "
+                     "(its own quantisation)"}]
     runs = {"llama.cpp prompt lookup (ngram-simple)": ["--spec-type", "ngram-simple"]}
     if setup.draft_gguf is not None:
         runs["llama.cpp draft model"] = ["--spec-type", "draft-simple", "-md", str(setup.draft_gguf)]
@@ -148,9 +150,33 @@ def _row(name: str, tps: float | None, base: float) -> dict:
             "note": "decode only (vs forerun's decode-only tok/s)"}
 
 
-def _llama_bench(bindir: Path, setup: PeerSetup) -> float | None:
-    cmd = [str(bindir / "llama-bench"), "-m", str(setup.gguf), "-p", "0", "-n", str(setup.max_new),
-           "-t", str(setup.threads), "-r", "3", "-o", "json"]
+def mean_depth(prompts: list[list[int]]) -> int:
+    """The context, in tokens, that llama-bench should decode after to stand beside forerun's
+    decoding of these prompts: their mean length. Each decoded token reads every cached key and
+    value, a cost linear in the context, so the mean context gives the mean cost per token; at
+    2048 tokens llama.cpp decodes the 1.5B a third slower than at none (docs/results.md).
+    >>> mean_depth([[1] * 100, [1] * 301]), mean_depth([])
+    (200, 0)
+    """
+    return round(sum(len(p) for p in prompts) / len(prompts)) if prompts else 0
+
+
+def llama_bench_cmd(bindir: Path, gguf, new_tokens: int, threads: int, depth: int = 0, repetitions: int = 3) -> list[str]:
+    """llama-bench timing plain decoding of `new_tokens` tokens after `depth` tokens of context
+    (its -d: the context is read first, untimed), JSON out. -d only when depth > 0, so builds
+    older than the option still run at depth 0.
+    >>> llama_bench_cmd(Path("/b"), "m.gguf", 128, 2, depth=300, repetitions=1)[3:12]
+    ['-p', '0', '-n', '128', '-t', '2', '-r', '1', '-o']
+    >>> llama_bench_cmd(Path("/b"), "m.gguf", 128, 2, depth=300)[-2:], "-d" in llama_bench_cmd(Path("/b"), "m", 8, 2)
+    (['-d', '300'], False)
+    """
+    cmd = [str(bindir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
+           "-r", str(repetitions), "-o", "json"]
+    return cmd + (["-d", str(depth)] if depth > 0 else [])
+
+
+def _llama_bench(bindir: Path, setup: PeerSetup, depth: int) -> float | None:
+    cmd = llama_bench_cmd(bindir, setup.gguf, setup.max_new, setup.threads, depth)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
     rows = json.loads(out or "[]")
     return float(rows[0]["avg_ts"]) if rows else None
