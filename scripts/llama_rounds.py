@@ -9,9 +9,10 @@ the same prompts (greedy, decode-only tok/s) with `llama-bench -p 0 -n N -t T -d
 first, between each two and after the last, and a configuration's ratio is over the mean of the
 llama.cpp runs just before and after it. D (--depth) is the context llama.cpp decodes after: by
 default the prompts' mean length, as forerun decodes after each prompt (each token's attention
-reads the whole context, so llama.cpp at no context would decode long prompts faster than it can). Configurations: `--config DTYPE:K[:LOOKUP[:DRAFT_DTYPE]]` (the
-verifier's dtype, k, optionally --draft-lookup's N and the drafter's precision), the drafter given by
---draft-model / --draft-dtype (its default precision) / --draft-vocab.
+reads the whole context, so llama.cpp at no context would decode long prompts faster than it can).
+Configurations: `--config DTYPE:K[:LOOKUP[:DRAFT_DTYPE]]` (the verifier's dtype, k, optionally
+--draft-lookup's N and the drafter's precision), the drafter given by --draft-model / --draft-dtype
+(its default precision) / --draft-vocab.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def main() -> int:
     ap.add_argument("--depth", default="auto", help="tokens of context llama-bench decodes after (its -d): a number, "
                     "or auto, the prompts' mean length (forerun decodes after each prompt; 0 was the rule before 2026-12-05)")
     args = ap.parse_args()
-    if args.depth != "auto" and not (args.depth.isdigit()):
+    if args.depth != "auto" and not args.depth.isdigit():
         raise SystemExit(f"--depth: a number of tokens or auto, got {args.depth!r}")
     torch.set_num_threads(args.threads)
     configs = {}
@@ -82,10 +83,9 @@ def main() -> int:
             (f", {draft_dtype} drafter" if k != "0" else "")
         configs[name] = (llm, spec)
     prompts = [p for spec in args.prompts.split(",") for p in load_prompts(spec, limit=args.limit)]
-    texts = [next(iter(configs.values()))[0].apply_chat_template([{"role": "user", "content": p.text}])
-             if p.chat else p.text for p in prompts]  # one tokenizer: the configurations share the model
+    first = next(iter(configs.values()))[0]  # one tokenizer: the configurations share the model
+    texts = [first.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else p.text for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    first = next(iter(configs.values()))[0]
     depth = mean_depth(first.encode(texts)) if args.depth == "auto" else int(args.depth)
     print(f"{len(texts)} prompts; llama-bench decodes after {depth} tokens of context (-d)", flush=True)
     for llm, spec in configs.values():  # warm-up: kernels, caches, the drafter's first load
