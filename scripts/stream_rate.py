@@ -23,11 +23,14 @@ from forerun.kv_cache import KVCache, chain_batch
 
 
 def weight_bytes(linear) -> int:
-    """Bytes the linear's kernel reads: forerun's packed int4 / int8 tensors or the GGUF parts."""
-    packed = getattr(linear, "_packed", None)
-    if packed is not None:
-        return sum(t.nbytes for t in packed if isinstance(t, torch.Tensor))
-    return sum(p.data.nbytes for p in linear.parts)
+    """Bytes the linear's kernel reads, the tensors its KernelLinear is bound to: a GGUFLinear's
+    parts, an Int4Linear's packed values with their scales and minimums, an Int8Linear's packed
+    weight and scales."""
+    if hasattr(linear, "parts"):
+        return sum(p.data.nbytes for p in linear.parts)
+    if hasattr(linear, "_packed"):
+        return sum(t.nbytes for t in linear._packed)
+    return linear.weight_packed.nbytes + linear.weight_scale.nbytes
 
 
 def median_ms(f, repeats: int) -> float:
