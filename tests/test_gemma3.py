@@ -11,15 +11,15 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
-from forerun.config import SamplingParams, SpeculativeConfig  # noqa: E402
-from forerun.embedded import cache_dir, ensure_gemma3_gguf, gemma3_model_dir  # noqa: E402
-from forerun.llm import LLM  # noqa: E402
-from forerun.kv_cache import chain_batch, tree_batch  # noqa: E402
-from forerun.models.config import ModelConfig  # noqa: E402
-from forerun.models.gemma3 import Gemma3ForCausalLM  # noqa: E402
-from tests.tiny import assert_full_forward_matches, hf_reference_pair  # noqa: E402
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.embedded import cache_dir, ensure_gemma3_gguf, gemma3_model_dir
+from forerun.llm import LLM
+from forerun.kv_cache import chain_batch, tree_batch
+from forerun.models.config import ModelConfig
+from forerun.models.gemma3 import Gemma3ForCausalLM
+from tests.tiny import assert_full_forward_matches, hf_reference_pair
 
 TINY = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=512, sliding_window=8,

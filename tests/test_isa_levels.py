@@ -4,9 +4,13 @@ torch's own vectorised ops (SDPA, norms, softmax) by ATEN_CPU_CAPABILITY, and fo
 kernel compiled for less than the host (FORERUN_KERNEL_MARCH). A CPU with AMX
 then also checks the AVX512-VNNI-only path, and every CPU checks AVX512 without VNNI and
 AVX2, so a change that breaks one of them fails here, not on a user's machine. int4's fitted
-weight grid must also come out byte for byte as on the host at each level."""
+weight grid must also come out byte for byte as on the host at each level.
+
+A level whose kernel did not build fails (with a C++ compiler on the machine): its sub-suite
+would otherwise skip every bit-level test and pass."""
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +60,8 @@ def test_int8_bits_hold_at_this_isa_level(isa, march, aten, needs):
     probe = "from forerun.models import int8_kernel as k; m = k.load(); print(None if m is None else m.has_vnni())"
     built = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     vnni = built.stdout.strip().splitlines()[-1] if built.stdout.strip() else "None"
+    if shutil.which("c++") or shutil.which("g++"):
+        assert vnni != "None", f"no kernel built at -march={march}:\n{built.stdout[-2000:]}\n{built.stderr[-3000:]}"
     if march != "native":  # the level's kernel really is the lower one (or none where g++ is missing)
         assert vnni in ("False", "None"), built.stdout + built.stderr
     if vnni != "None":  # int4's weight grid: the same bytes from this level's kernel as from the host's

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
-from forerun.kv_cache import chain_batch  # noqa: E402
-from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict  # noqa: E402
-from tests.tiny import assert_full_forward_matches, hf_reference_pair  # noqa: E402
+from forerun.kv_cache import chain_batch
+from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict
+from tests.tiny import assert_full_forward_matches, hf_reference_pair
 
 BASE = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)

@@ -20,17 +20,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
-from forerun.embedded import CACHE_ENV, cache_dir  # noqa: E402
-from forerun.errors import ModelLoadError  # noqa: E402
-from forerun.kv_cache import chain_batch  # noqa: E402
-from forerun.llm import LLM  # noqa: E402
-from forerun.models.gguf_convert import (  # noqa: E402
+from forerun.embedded import CACHE_ENV, cache_dir
+from forerun.errors import ModelLoadError
+from forerun.kv_cache import chain_batch
+from forerun.llm import LLM
+from forerun.models.gguf_convert import (
     _pre_tokenizer, _read_metadata, _tokenizer_config, build_tokenizer, convert_gguf_to_hf,
 )
-from forerun.tokenizer import Tokenizer  # noqa: E402
-from tests.test_gguf_convert import tiny_hf_weights, write_tiny_gguf  # noqa: E402
+from forerun.tokenizer import Tokenizer
+from tests.test_gguf_convert import tiny_hf_weights, write_tiny_gguf
 
 TEXTS = [
     "Hello world", " leading space", "  two leading spaces", "trailing   ", "tabs\tand\t\ttabs",
