@@ -1,14 +1,31 @@
-"""`python -m forerun.serve.ray_app` stops what it started, however it is stopped: Ctrl-C or
-SIGTERM shuts Serve and the local Ray cluster down (a fresh clone found raylet, gcs_server and
-~20 workers still running after Ctrl-C). A stand-in `ray` records the calls, so this runs where
-ray is not installed; tests/test_serve_ray.py serves through a real one."""
+"""`python -m forerun.serve.ray_app` takes every `forerun serve` option with serve's default, and
+stops what it started, however it is stopped: Ctrl-C or SIGTERM shuts Serve and the local Ray
+cluster down (a fresh clone found raylet, gcs_server and ~20 workers still running after Ctrl-C).
+A stand-in `ray` records the calls, so the launcher's tests need no cluster;
+tests/test_serve_ray.py serves through a real one."""
+import argparse
 import signal
 import sys
 import types
 
 import pytest
 
+from forerun.cli import build_parser
 from forerun.serve import ray_app
+
+
+def _options(parser: argparse.ArgumentParser) -> dict:
+    """Each option of `parser` (but --help): its flags, default, type, choices, nargs and action kind."""
+    return {a.dest: (tuple(a.option_strings), a.default, a.type, a.choices, a.nargs, type(a).__name__)
+            for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def test_every_serve_option_with_serve_default():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve, ray = _options(sub.choices["serve"]), _options(ray_app.build_parser())
+    assert {dest: ray.get(dest) for dest in serve} == serve  # an option added to serve alone fails here
+    assert set(ray) - set(serve) == {"replicas", "threads"}
+    assert ray_app.build_parser().parse_args([]).dtype == "auto"
 
 
 @pytest.fixture

@@ -35,18 +35,24 @@ def cmd_serve(args) -> int:
     _, spec = configs(args)
     sock = reserve_port(args.host, args.port)  # a port in use fails now, not after the model loads
     llm = load_llm(args, spec)
-    cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
-                      num_blocks=args.num_blocks, paged=not args.no_paged, max_queue=args.max_queue,
-                      batch_aware=not args.no_batch_aware)
-    names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
-    app = build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names)
+    app = server_from_args(args, llm, spec)
     st = app.state
     print(f"forerun serve: {st.limits.model_names[0]} ({llm.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
-          f"{cfg.max_batch} rows x {st.limits.max_len} tokens, {st.scheduler.blocks.num_blocks} KV blocks of {cfg.block_size}, "
+          f"{args.max_batch} rows x {st.limits.max_len} tokens, {st.scheduler.blocks.num_blocks} KV blocks of {args.block_size}, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     print(f"forerun serve: {line_for(llm, args.model)}", file=sys.stderr)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run(sockets=[sock])
     return 0
+
+
+def server_from_args(args, llm, spec: SpeculativeConfig):
+    """`build_server` for `llm` as `forerun serve`'s flags say (`spec` from cli_args.configs); each
+    replica of `python -m forerun.serve.ray_app` builds its app with it too."""
+    cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
+                      num_blocks=args.num_blocks, paged=not args.no_paged, max_queue=args.max_queue,
+                      batch_aware=not args.no_batch_aware)
+    names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
+    return build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names)
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

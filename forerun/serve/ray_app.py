@@ -5,66 +5,77 @@ over the replicas and streams their SSE responses through.
     pip install "ray[serve]"
     python -m forerun.serve.ray_app --replicas 2 --port 8000 --method ngram --k 5
 
-Requests are routed per request, so continuous batching happens inside each replica; a
-replica gets `--threads` torch threads (set it to the cores you give each replica). It starts a
-local Ray cluster of its own, and Ctrl-C (or SIGTERM) stops the replicas and that cluster; with
-RAY_ADDRESS set it joins that cluster instead and leaves it running.
+It takes every `forerun serve` option, with the same defaults (its parser is built by the same
+functions), plus `--replicas` and `--threads`. Requests are routed per request, so continuous
+batching happens inside each replica; a replica gets `--threads` torch threads (set it to the
+cores you give each replica). It starts a local Ray cluster of its own, and Ctrl-C (or SIGTERM)
+stops the replicas and that cluster; with RAY_ADDRESS set it joins that cluster instead and
+leaves it running.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import signal
 import sys
-from typing import Callable
+
+PROG = "python -m forerun.serve.ray_app"
+# uvicorn's levels (serve's --log-level) as Python's logging names them, for the replicas' logs.
+LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG", "trace": "DEBUG"}
 
 
-def build_replica_app(make_llm: Callable, method: str | None, k: int, max_batch: int, max_len: int,
-                      names: tuple[str, ...], threads: int):
-    """Runs inside each replica: the model, its scheduler and the FastAPI app."""
+def build_parser() -> argparse.ArgumentParser:
+    """`forerun serve`'s options, added by the two functions its own parser is built with, + --replicas, --threads."""
+    from forerun.cli_args import HelpFormatter, Parser, add_common
+    from forerun.serve.flags import add_arguments
+
+    p = Parser(prog=PROG, description="forerun serve's app in each of several Ray Serve replicas, behind one endpoint.",
+               formatter_class=HelpFormatter)
+    add_common(p)
+    add_arguments(p)
+    p.add_argument("--replicas", type=int, default=2, help="forerun servers behind the endpoint, each with its own model")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (and Ray CPUs) per replica")
+    return p
+
+
+def build_replica_app(args: argparse.Namespace):
+    """Runs inside each replica: the model, its scheduler and the FastAPI app, as `forerun serve` builds them."""
     import torch
 
-    from forerun.config import SpeculativeConfig
-    from forerun.serve.main import build_server
-    from forerun.serve.scheduler import ServeConfig
+    from forerun.cli_args import configs, load_llm
+    from forerun.serve.main import server_from_args
 
-    torch.set_num_threads(threads)
-    spec = SpeculativeConfig(method, k) if method and k else None
-    return build_server(make_llm(), spec, ServeConfig(max_batch=max_batch, max_len=max_len), names=names)
-
-
-def embedded_llm(model: str | None = None, dtype: str = "float32"):
-    from forerun.llm import LLM
-
-    return LLM(model=model, dtype=dtype, progress=False)
+    torch.set_num_threads(args.threads)
+    _, spec = configs(args)
+    llm = load_llm(args, spec)
+    app = server_from_args(args, llm, spec)
+    print(f"forerun replica: {app.state.limits.model_names[0]} ({llm.dtype}), method {app.state.limits.method or 'none'} "
+          f"k={app.state.limits.k_max}, {args.threads} thread(s)", file=sys.stderr, flush=True)
+    return app
 
 
-def application(make_llm: Callable = embedded_llm, replicas: int = 2, method: str | None = "ngram", k: int = 5,
-                max_batch: int = 8, max_len: int = 2048, names: tuple[str, ...] = (), threads: int = 1):
-    """A Ray Serve application of `replicas` forerun servers (pass it to serve.run)."""
+def application(args: argparse.Namespace):
+    """A Ray Serve application of `args.replicas` forerun servers (pass it to serve.run); `args` from build_parser."""
     from ray import serve
 
     def builder():  # a plain function: Ray calls it in each replica (a partial would be taken for an ASGI app)
-        return build_replica_app(make_llm, method, k, max_batch, max_len, names, threads)
+        return build_replica_app(args)
 
     cls = serve.ingress(builder)()
-    return serve.deployment(cls, name="forerun", num_replicas=replicas, ray_actor_options={"num_cpus": threads}).bind()
+    return serve.deployment(cls, name="forerun", num_replicas=args.replicas, ray_actor_options={"num_cpus": args.threads},
+                            logging_config={"log_level": LOG_LEVELS.get(args.log_level.lower(), "WARNING")}).bind()
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m forerun.serve.ray_app", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (and Ray CPUs) per replica")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--method", default="ngram", help="drafter, or none")
-    p.add_argument("--k", type=int, default=5)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=2048)
-    args = p.parse_args(argv)
+    from forerun.cli_args import configs, in_flags
+    from forerun.errors import ForerunError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configs(args)  # a bad drafter option fails here, in one line, not in every replica
+    except ForerunError as e:
+        parser.exit(2, f"{PROG}: error: {in_flags(str(e), parser)}\n")
     import ray
     from ray import serve
 
@@ -73,10 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     previous = signal.signal(signal.SIGTERM, _raise_exit)  # `kill` stops it as Ctrl-C does: through finally
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        make_llm = functools.partial(embedded_llm, args.model, args.dtype)
-        method = None if args.method == "none" else args.method
-        serve.run(application(make_llm, args.replicas, method, args.k, args.max_batch, args.max_len, threads=args.threads),
-                  blocking=True)
+        serve.run(application(args), blocking=True)
     except KeyboardInterrupt:
         pass
     finally:
