@@ -41,6 +41,7 @@ def fake_ray(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setitem(sys.modules, "ray.serve", serve)
     monkeypatch.setattr(ray_app, "application", lambda *a, **kw: "the app")
+    monkeypatch.setattr(ray_app, "fetch_models", lambda args: calls.append("fetch"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     return calls, serve
 
@@ -55,7 +56,7 @@ def test_ctrl_c_stops_serve_and_the_local_cluster(fake_ray):
     serve.run = run
     before = signal.getsignal(signal.SIGTERM)
     ray_app.main(["--replicas", "2"])
-    assert calls == ["init local", "serve.start", "serve.run", "serve.shutdown", "ray.shutdown"]
+    assert calls == ["fetch", "init local", "serve.start", "serve.run", "serve.shutdown", "ray.shutdown"]
     assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -66,20 +66,32 @@ def application(args: argparse.Namespace):
                             logging_config={"log_level": LOG_LEVELS.get(args.log_level.lower(), "WARNING")}).bind()
 
 
+def fetch_models(args: argparse.Namespace) -> None:
+    """Download (or convert) --model and draft_model's --draft-model here, once: the replicas of a
+    local cluster share this machine's cache, and would otherwise all fetch them at the same time."""
+    from forerun.models.loader import resolve_model_dir
+
+    resolve_model_dir(args.model)
+    if args.method == "draft_model" and args.draft_model:
+        resolve_model_dir(args.draft_model)
+
+
 def main(argv: list[str] | None = None) -> None:
     from forerun.cli_args import configs, in_flags
     from forerun.errors import ForerunError
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    joined = os.environ.get("RAY_ADDRESS")  # a cluster someone else runs: leave it running
     try:
         configs(args)  # a bad drafter option fails here, in one line, not in every replica
+        if not joined:
+            fetch_models(args)
     except ForerunError as e:
         parser.exit(2, f"{PROG}: error: {in_flags(str(e), parser)}\n")
     import ray
     from ray import serve
 
-    joined = os.environ.get("RAY_ADDRESS")  # a cluster someone else runs: leave it running
     ray.init(address=joined or "local")  # else a local cluster of this process's own, stopped below
     previous = signal.signal(signal.SIGTERM, _raise_exit)  # `kill` stops it as Ctrl-C does: through finally
     try:
