@@ -13,7 +13,7 @@ setup: $(STAMP)
 # compiles the kernels (setup.py) against that torch, hence --no-build-isolation, with the
 # builders (and numpy, which torch warns about when missing) installed first.
 # A changed .cpp or setup.py reruns it: the kernels are rebuilt.
-$(STAMP): pyproject.toml setup.py $(wildcard forerun/models/*.cpp)
+$(STAMP): pyproject.toml setup.py $(wildcard forerun/kernels/*.cpp forerun/kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 numpy ninja setuptools wheel

@@ -1,10 +1,10 @@
-"""Compiles forerun's C++ kernels (forerun/models/*_rows.cpp) into forerun.models._kernels at
+"""Compiles forerun's C++ kernels (forerun/kernels/*.cpp) into forerun.kernels._kernels at
 install, for this CPU (-march=native). pyproject.toml holds the metadata; this adds the extension.
 
 torch must be installed first and visible to the build, which an isolated build env would
 not be (and must not be: a bare torch from PyPI is a multi-GB CUDA build), hence
 `pip install --no-build-isolation -e .` (the Makefile's setup step). Without torch no
-extension is built: forerun then compiles its kernels at first use (models/int8_kernel.py).
+extension is built: forerun then compiles its kernels at first use (kernels/loader.py).
 """
 import importlib.util
 import os
@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _kernel_key():
-    """forerun/models/kernel_key.py by path (the standard library only): forerun is not installed yet."""
-    spec = importlib.util.spec_from_file_location("forerun_kernel_key", ROOT / "forerun" / "models" / "kernel_key.py")
+    """forerun/kernels/build_key.py by path (the standard library only): forerun is not installed yet."""
+    spec = importlib.util.spec_from_file_location("forerun_kernel_key", ROOT / "forerun" / "kernels" / "build_key.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -38,11 +38,12 @@ def kernel_extension():
         return [], {}
     key = _kernel_key()
     key.put_ninja_on_path()
-    sources = key.sources(ROOT / "forerun" / "models")
-    digest = key.sources_digest(key.read_sources(sources))
+    sources = key.sources(ROOT / "forerun" / "kernels")
+    digest = key.sources_digest(key.read_sources(key.key_files(sources)))
     build = key.build_key(digest, str(torch.__version__), "native")
+    # A .cu source (a CUDA path) would need CUDAExtension and nvcc; today every source is C++.
     ext = CppExtension(
-        "forerun.models._kernels",
+        "forerun.kernels._kernels",
         [str(s.relative_to(ROOT)) for s in sources],
         extra_compile_args=key.compile_args("native", build, digest, key.cpu_tag()),
         extra_link_args=key.LDFLAGS,

@@ -9,7 +9,7 @@ import platform
 
 def cpu_features() -> list[str]:
     """The CPU flags that change a numeric path (AMX, AVX512-VNNI/BF16, AVX-VNNI, AVX2)."""
-    from forerun.models.int8_kernel import cpu_flags
+    from forerun.kernels.loader import cpu_flags
 
     wanted = ("amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx512_bf16", "avx_vnni", "avx512f", "avx2")
     have = cpu_flags()
@@ -18,22 +18,22 @@ def cpu_features() -> list[str]:
 
 def int8_paths() -> dict[str, str]:
     """The int8 path's pieces on this machine (builds the kernel if it is not built yet)."""
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     if kernel is None:
         return {"int8 / int4": "refused (no compiled kernel)", "chain attention": "SDPA"}
     dots = "AVX512-VNNI" if kernel.has_vnni() else "plain C++ dot products"
-    return {"int8 / int4": f"forerun kernel, every size, -march={int8_kernel.MARCH}, {dots}",
+    return {"int8 / int4": f"forerun kernel, every size, -march={kernel_loader.MARCH}, {dots}",
             "chain attention": "per-query kernel"}
 
 
 def kernels_origin() -> str:
     """Where the compiled kernels came from: installed (built by `pip install -e .`), runtime-built
     (stale or missing at install, or a forced -march), or none, with the file or the reason."""
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
-    return int8_kernel.origin()
+    return kernel_loader.origin()
 
 
 def describe() -> str:

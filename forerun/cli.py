@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from forerun.cli_args import (DTYPES, MODELS, HelpFormatter, Parser, add_common, configs, in_flags, int_list, load_llm,
-                              near_miss)
+from forerun.cli_args import (DTYPES, MODELS, CommandKit, HelpFormatter, Parser, add_common, configs, in_flags, int_list,
+                              load_llm, near_miss)
 from forerun.errors import ForerunError
 
 # A coding-assistant edit: the kind of request whose answer reuses its prompt, where prompt lookup pays.
@@ -38,11 +38,27 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+# The modules that add commands, each by its own `register(sub, kit)` (cli_args.CommandKit):
+# this one (generate, compare, tune-skip, cost, methods), then bench, train, eval and serve.
+COMMAND_MODULES = ("forerun.cli", "forerun.bench.commands", "forerun.train.command", "forerun.train.distill",
+                   "forerun.eval.command", "forerun.serve.flags")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    fmt = HelpFormatter
-    parser = Parser(prog="forerun", description="Lossless speculative decoding.", formatter_class=fmt)
+    import importlib
+
+    parser = Parser(prog="forerun", description="Lossless speculative decoding.", formatter_class=HelpFormatter)
     parser.add_argument("--version", action=_Version, help="versions, CPU features and the kernel paths in use, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    kit = CommandKit(HelpFormatter, add_common, RUNS_DIR)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub, kit)
+    return parser
+
+
+def register(sub, kit: CommandKit) -> None:
+    """generate, compare, tune-skip, cost and methods."""
+    fmt = kit.fmt
     g = sub.add_parser("generate", formatter_class=fmt, help="stream one completion, then plain vs speculative stats")
     g.add_argument("prompt", nargs="?", default=None, help="the user message (default: a built-in bug-fix request, printed first)")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is (no chat template)")
@@ -50,13 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=2, help="timed plain/speculative pairs behind the speedup line (alternating)")
     g.add_argument("--show-drafts", action="store_true",
                    help="print the output coloured by where each token came from (accepted draft, recovered, bonus)")
-    add_common(g)
+    kit.add_common(g)
+    g.set_defaults(handler=cmd_generate)
     c = sub.add_parser("compare", formatter_class=fmt, help="plain vs speculative on a prompt set, alternating runs")
     c.add_argument("--prompts", default="spec_bench:mt_bench", help=PROMPT_SETS)
     c.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
     c.add_argument("--limit", type=int, default=10, help="first N prompts of the set")
     c.add_argument("--json", action="store_true", help="print one JSON object")
-    add_common(c)
+    kit.add_common(c)
+    c.set_defaults(handler=cmd_compare)
     t = sub.add_parser("tune-skip", formatter_class=fmt, help="search which layers the layer_skip drafter skips; saves a profile")
     t.add_argument("--model", default=None, help=MODELS)
     t.add_argument("--dtype", default="auto", choices=DTYPES, help="verifier precision (auto: gguf for a quantized GGUF model, else float32)")
@@ -67,33 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-skip", type=int, default=None, help="largest skip set tried (default: half the layers)")
     t.add_argument("--confirm", type=int, default=3, help="best estimates confirmed by a timed run")
     t.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per calibration prompt")
+    t.set_defaults(handler=cmd_tune_skip)
     o = sub.add_parser("cost", formatter_class=fmt, help="verifier forward time vs tokens scored at once, per precision; table + PNG plot")
     o.add_argument("--model", default=None, help=MODELS)
     o.add_argument("--dtype", default="float32,int8", help="comma-separated precisions to measure")
     o.add_argument("--tokens", default="1,2,4,6,8,12,16,32", help="comma-separated numbers of tokens scored per forward")
     o.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     o.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
-    o.add_argument("--plot", default=f"{RUNS_DIR}/cost.png", help="PNG to write, its folder made if needed ('' for none)")
+    o.add_argument("--plot", default=f"{kit.runs_dir}/cost.png", help="PNG to write, its folder made if needed ('' for none)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
-    sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods, a line on what each does")
-    from forerun.bench.commands import add_parsers
-
-    add_parsers(sub, add_common, fmt, RUNS_DIR)  # bench, advise, drift, quality
-    from forerun.train.command import add_parser as add_train
-
-    add_train(sub, fmt)
-    from forerun.train.distill import add_parser as add_distill
-
-    add_distill(sub, fmt)
-    from forerun.eval.command import add_parser as add_eval
-
-    add_eval(sub, fmt, add_common)
-    v = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible HTTP server: continuous batching + speculation")
-    add_common(v)
-    from forerun.serve.flags import add_arguments
-
-    add_arguments(v)
-    return parser
+    o.set_defaults(handler=cmd_cost)
+    m = sub.add_parser("methods", formatter_class=fmt, help="list the speculative methods: kind, what drafts, the settings each reads")
+    m.set_defaults(handler=cmd_methods)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,37 +106,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        if args.command == "methods":
-            from forerun.methods import lines
-
-            print("\n".join(lines()))
-            return 0
-        commands = {"generate": cmd_generate, "tune-skip": cmd_tune_skip, "cost": cmd_cost}
-        from forerun.bench.commands import cmd_advise, cmd_bench, cmd_drift, cmd_quality
-
-        commands.update(bench=cmd_bench, advise=cmd_advise, drift=cmd_drift, quality=cmd_quality)
-        from forerun.train.command import cmd_train
-
-        from forerun.train.distill import cmd_distill
-
-        commands.update(train=cmd_train, distill=cmd_distill)
-        from forerun.eval.command import cmd_eval
-
-        commands.update(eval=cmd_eval)
-        if args.command == "compare":
-            from forerun.bench.compare import cmd_compare
-
-            return cmd_compare(args)
-        if args.command == "serve":
-            from forerun.serve.main import cmd_serve
-
-            return cmd_serve(args)
-        return commands[args.command](args)
+        return args.handler(args)
     except ForerunError as e:  # worded in the flags the user typed (--max-new-tokens, not max_tokens)
         print(f"forerun: error: {in_flags(str(e), _subparser(parser, args.command))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def cmd_methods(args) -> int:
+    from forerun.methods import lines
+
+    print("\n".join(lines()))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from forerun.bench.compare import cmd_compare as run  # (imports torch: only when asked)
+
+    return run(args)
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -190,9 +181,9 @@ def check_prompt(text: str) -> None:
 
 
 def _show_drafts(llm, out):
-    from forerun.provenance import Sample, render_terminal, token_pieces
+    from forerun.bench.provenance import Sample, render_terminal, token_pieces
 
-    render_terminal(Sample("output", token_pieces(llm._decode, out.token_ids), out.stats.origins))
+    render_terminal(Sample("output", token_pieces(llm.decode, out.token_ids), out.stats.origins))
 
 
 def _speedup_line(llm, prompt, params, out, label: str, repeats: int) -> str:
@@ -270,7 +261,8 @@ def cmd_tune_skip(args) -> int:
 
 
 def cmd_cost(args) -> int:
-    from forerun.bench.cost import CostCurve, measure, plot
+    from forerun.bench.cost import plot
+    from forerun.cost_curve import CostCurve, measure
     from forerun.bench.fidelity import line_for
     from forerun.llm import LLM
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from forerun.errors import ForerunError, did_you_mean
 
@@ -178,3 +180,15 @@ def in_flags(message: str, parser: argparse.ArgumentParser) -> str:
     # options['name'], name=, or the bare name (not inside quotes: "method 'draft_model'" stays)
     pattern = rf"options\[['\"]({words})['\"]\]|(?<![\w'\"-])({words})=?(?![\w'\"])"
     return re.sub(pattern, lambda m: flags[m.group(1) or m.group(2)], message)
+
+
+@dataclass(frozen=True)
+class CommandKit:
+    """What a command module's `register(sub, kit)` gets to add its parsers the one way they are
+    all added: the help formatter, the shared model / sampling / drafter options, the folder a
+    command's files go to unless told. Each parser sets `handler` (args -> exit code), which
+    `forerun`'s main calls."""
+
+    fmt: type
+    add_common: Callable
+    runs_dir: str

@@ -63,7 +63,7 @@ def default_model_dir(progress: bool = True) -> Path:
 
 def _converted(name: str, ensure_gguf, progress: bool) -> Path:
     """cache/models/<name>, converted once from the GGUF that ensure_gguf(progress) provides."""
-    from forerun.models.gguf_convert import convert_gguf_to_hf, source_of, write_source
+    from forerun.gguf.convert import convert_gguf_to_hf, source_of, write_source
 
     folder = cache_dir() / "models" / name
     if (folder / "config.json").is_file():  # written last-in-place by an atomic rename

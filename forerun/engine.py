@@ -16,7 +16,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
-from forerun.kv_cache import KVCache, chain_batch, tree_batch
+from forerun.kv.cache import KVCache, chain_batch, tree_batch
 from forerun.logprobs import sequence_logprobs
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes

@@ -9,12 +9,13 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig, check_dtype
+from forerun.precision import Precision
 from forerun.drafters.base import Drafter
 from forerun.engine import GenerateJob, generate
 from forerun.errors import ConfigError, ContextLengthError
 from forerun.logprobs import TokenLogprobs, check_count, prompt_logprobs, with_text
 from forerun.metrics import SpecStats
-from forerun.streaming import TextStream, stop_index
+from forerun.streaming import TextStream, hits_stop, stop_index
 
 _DEFAULT = object()  # "use the LLM's speculative config"
 
@@ -59,15 +60,18 @@ class LLM:
             self.model, self.tokenizer = model, tokenizer  # dtype then only labels its precision
             self.source, self.name = None, "in-memory"
             self.dtype = "float32" if dtype == "auto" else dtype
+            kernels = getattr(getattr(model, "backend", None), "name", "torch") == "cpu-kernels"
+            self.precision = Precision(self.dtype, str(model.device), kernels=kernels, gguf_blocks=False)
         else:
-            from forerun.models.loader import load_model, resolve_dtype, resolve_model_dir
+            from forerun.models.loader import load_model, resolve_model_dir, resolve_precision
             from forerun.tokenizer import Tokenizer
 
             folder = resolve_model_dir(model, progress=progress)
             self.source, self.name = folder, folder.name
             self.tokenizer = tokenizer or Tokenizer.from_pretrained(folder)
-            self.dtype = resolve_dtype(dtype, folder, device)  # "auto": gguf for a quantized GGUF, else float32
-            self.model = load_model(folder, self.dtype, device)
+            self.precision = resolve_precision(dtype, folder, device)  # "auto": gguf for a quantized GGUF, else float32
+            self.dtype = self.precision.name
+            self.model = load_model(folder, self.precision)
         self.speculative = speculative
         self._drafter_cache: tuple[SpeculativeConfig, Drafter] | None = None
         self._cost_curves: dict[int, tuple[list[float], float]] = {}  # k_max -> (verify cost [k_max + 1], 1-token s)
@@ -90,16 +94,15 @@ class LLM:
         params = sampling_params or SamplingParams()
         spec = self.speculative if speculative is _DEFAULT else speculative
         ids = self.encode(prompts)
-        job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self._eos_ids())
+        job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self.eos_ids())
         if spec is not None and spec.enabled:
-            job.drafter, job.k, job.typical = self._drafter(spec), spec.k_max, spec.typical_rule
+            job.drafter, job.k, job.typical = self.drafter_for(spec), spec.k_max, spec.typical_rule
             if spec.adaptive:
                 job.k_policy = self._k_policy(spec.k_max, spec.options.get("verify_cost"))
         if params.stop:
-            tail = 4 * max(len(x) for x in params.stop) + 8  # tokens enough to spell any stop string
-            job.should_stop = lambda i, gen: stop_index(self._decode(gen[-tail:]), params.stop) is not None
+            job.should_stop = lambda i, gen: hits_stop(self.decode, gen, params.stop)
         if stream is not None:
-            job.on_tokens = TextStream(self._decode, params.stop, stream).update
+            job.on_tokens = TextStream(self.decode, params.stop, stream).update
         outs = [self._output(s, params) for s in generate(self.model, job)]
         if params.prompt_logprobs is not None:
             for out in outs:
@@ -116,7 +119,7 @@ class LLM:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the model's context is {self.max_context} tokens")
         with torch.inference_mode():
             logits = self.model.score(ids)
-        return with_text(prompt_logprobs(logits, ids, top), self._piece)
+        return with_text(prompt_logprobs(logits, ids, top), self.token_text)
 
     def chat(self, messages, sampling_params=None, speculative=_DEFAULT, stream=None) -> list[CompletionOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of them."""
@@ -124,7 +127,7 @@ class LLM:
         return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, speculative, stream)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        self._need_tokenizer()
+        self.require_tokenizer()
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     # -- helpers -----------------------------------------------------------------------
@@ -144,7 +147,7 @@ class LLM:
             if isinstance(p, str):
                 if not p:  # (a tokenizer that adds BOS would make a one-token prompt of it)
                     raise ConfigError("empty prompt: give the text to continue")
-                self._need_tokenizer()
+                self.require_tokenizer()
                 p = self.tokenizer.encode(p, add_special_tokens=not _starts_with_special(p, self.tokenizer))
             p = [int(t) for t in p]
             if not p:
@@ -166,7 +169,8 @@ class LLM:
             budgets.append(min(params.max_tokens, room))
         return budgets
 
-    def _eos_ids(self) -> frozenset[int]:
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end a sequence: the model config's and the tokenizer's."""
         ids = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:
             ids |= set(self.tokenizer.eos_token_ids)
@@ -183,26 +187,29 @@ class LLM:
                 raise ConfigError(f"options['verify_cost'] needs k_max + 1 = {k_max + 1} values, got {len(given)}")
             return AdaptiveK(k_max, [float(c) for c in given[: k_max + 1]], forward_s=0.0)
         if k_max not in self._cost_curves:
-            from forerun.bench.cost import measure
+            from forerun.cost_curve import measure
 
             ms = measure(self.model, list(range(1, k_max + 2)), context=64, repeats=2)
             self._cost_curves[k_max] = ([ms[t] / ms[1] for t in range(1, k_max + 2)], ms[1] / 1e3)
         verify_cost, forward_s = self._cost_curves[k_max]
         return AdaptiveK(k_max, verify_cost, forward_s=forward_s)
 
-    def _drafter(self, spec: SpeculativeConfig) -> Drafter:
-        """Built once per config object; only the latest is kept (a draft model is big)."""
+    def drafter_for(self, spec: SpeculativeConfig) -> Drafter:
+        """The drafter `spec` names, over this LLM as its verifier (the server's scheduler and
+        the tools share it). Built once per config object; only the latest is kept (a draft
+        model is big)."""
         if self._drafter_cache is None or self._drafter_cache[0] is not spec:
             from forerun.drafters import build_drafter  # (imports every drafter: only when one is used)
 
             self._drafter_cache = (spec, build_drafter(spec.method, spec=spec, verifier=self))
         return self._drafter_cache[1]
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """The text of generated token ids (special tokens skipped); "" without a tokenizer."""
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _output(self, s, params: SamplingParams) -> CompletionOutput:
-        text = self._decode(s.generated)
+        text = self.decode(s.generated)
         cut = stop_index(text, params.stop)
         detail = None
         if s.finish_reason == "length":
@@ -210,15 +217,16 @@ class LLM:
         out = CompletionOutput(s.tokens[: s.prompt_len], s.generated, text if cut is None else text[:cut], s.finish_reason,
                                s.stats, detail)
         if s.logprobs is not None:
-            out.logprobs = with_text(s.logprobs, self._piece)
+            out.logprobs = with_text(s.logprobs, self.token_text)
             out.cumulative_logprob = sum(e[t].logprob for e, t in zip(s.logprobs, s.generated))
         return out
 
-    def _piece(self, token: int) -> str:
+    def token_text(self, token: int) -> str:
         """One token's own text (special tokens included), for Logprob.decoded_token."""
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else ""
 
-    def _need_tokenizer(self):
+    def require_tokenizer(self) -> None:
+        """Raises ConfigError where this LLM has no tokenizer (text prompts need one)."""
         if self.tokenizer is None:
             raise ConfigError("this LLM has no tokenizer: pass token-id prompts")
 

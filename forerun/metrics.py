@@ -14,7 +14,7 @@ class SpecStats:
     verifier_forwards: int = 0  # decode steps (one verifier forward each; prefill not counted)
     accepted_at: list[int] = field(default_factory=list)  # [k] accepts per draft position
     drafted_at: list[int] = field(default_factory=list)  # [k] steps whose draft reached each position
-    # One letter per generated token, where it came from (forerun/provenance.py):
+    # One letter per generated token, where it came from (forerun/bench/provenance.py):
     # "a" accepted draft token, "r" recovered (the verifier's token where a draft token was refused),
     # "b" bonus (after a fully accepted draft), "p" plain (a step that drafted nothing).
     origins: str = ""

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv.cache import KVCache, chain_batch
 
 PREFILL_TOKEN_BUDGET = 4096  # padded tokens (rows x longest) per forward: bounds the mask and activations
 

@@ -19,6 +19,20 @@ def stop_index(text: str, stops) -> int | None:
     return min(hits) if hits else None
 
 
+def hits_stop(decode: Callable[[list[int]], str], generated: list[int], stops) -> bool:
+    """Whether the text of `generated` now holds a stop string: the one rule `LLM` and the
+    server stop a sequence by. Only the last tokens are decoded, enough to spell any stop
+    string (4 per character, + 8), so the check costs the same at any length.
+
+    >>> hits_stop(lambda ids: "".join(map(chr, ids)), [ord(c) for c in "say END now"], ("END",))
+    True
+    """
+    if not stops:
+        return False
+    tail = 4 * max(len(s) for s in stops) + 8  # tokens enough to spell any stop string
+    return stop_index(decode(generated[-tail:]), stops) is not None
+
+
 class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], emit: Callable[[int, str], None]):
         self.decode, self.stops, self.emit = decode, stops, emit

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, ".")
 from forerun.config import SamplingParams, SpeculativeConfig  # noqa: E402
-from forerun.kv_cache import chain_batch  # noqa: E402
+from forerun.kv.cache import chain_batch  # noqa: E402
 from forerun.llm import LLM  # noqa: E402
 from forerun.metrics import merge  # noqa: E402
 from forerun.models.config import ModelConfig  # noqa: E402

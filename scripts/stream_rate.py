@@ -19,7 +19,7 @@ import time
 import torch
 
 from forerun import LLM
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv.cache import KVCache, chain_batch
 
 
 def weight_bytes(linear) -> int:
@@ -55,7 +55,7 @@ def main() -> None:
     torch.set_num_threads(2)
     m = LLM(args.model, dtype=args.dtype, progress=False).model
     c = m.config
-    if m.layer_stack is None:
+    if getattr(m.backend, "stack", None) is None:
         raise SystemExit(f"{args.model} at {args.dtype} has no compiled layer stack (int8, int4 or gguf with the kernels built)")
     layers = m.model.layers
     modules = [(l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj) for l in layers]
@@ -77,7 +77,7 @@ def main() -> None:
         b = chain_batch([ids[:T]], [300], [0], torch.device("cpu"))
         x = m.model.embed_tokens(b.tokens)
         cos, sin = m._rope(b.positions, x.dtype)
-        stack = lambda: m.layer_stack(x, cos, sin, cache.k, cache.v, b.row_index, b.slots)  # noqa: E731
+        stack = lambda: m.backend.stack(x, cos, sin, cache.k, cache.v, b.row_index, b.slots)  # noqa: E731
         print(f"{args.model} at {args.dtype}, {T} token(s): the layers' linears read {nbytes / 1e6:.0f} MB")
         for r in range(args.rounds):
             lin, stk = median_ms(linears, args.repeats), median_ms(stack, args.repeats)

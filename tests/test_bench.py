@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from forerun.advise import advise, batch_estimates, summary_line
+from forerun.bench.advise import advise, batch_estimates, summary_line
 from forerun.bench.bench import BenchRun, run_bench
 from forerun.bench.cell import summarize_cell
 from forerun.bench.grid import Workload, make_methods, run_workload
 from forerun.bench.report import write_reports
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.drift import compare, perturb_
-from forerun.models import int8_kernel
+from forerun.bench.drift import compare, perturb_
+from forerun.kernels import loader as kernel_loader
 from forerun.errors import ForerunError
 from forerun.llm import LLM
 from tests.tiny import tiny_model
@@ -151,7 +151,7 @@ def test_drift_on_a_perturbed_tiny_verifier():
 def test_perturb_refuses_integer_weights():
     with pytest.raises(ValueError, match="int8"):
         perturb_(tiny_model(seed=0, dtype="int8"), 0.1)
-    if int8_kernel.load() is not None:  # an int4 model holds its weights packed, in no uint8 buffer
+    if kernel_loader.load() is not None:  # an int4 model holds its weights packed, in no uint8 buffer
         with pytest.raises(ValueError, match="int4"):
             perturb_(tiny_model(seed=0, dtype="int4"), 0.1)
         with pytest.raises(ValueError, match="int4"):  # widths of 256: its Q4_K form (GGUF blocks)

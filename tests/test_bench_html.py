@@ -3,7 +3,7 @@ the screenshot lands in the report folder, and accepted draft tokens show in the
 import pytest
 
 from forerun.bench.report import find_chromium, screenshot, write_reports
-from forerun.provenance import ORIGINS
+from forerun.bench.provenance import ORIGINS
 from tests.test_bench import cell
 
 

@@ -9,7 +9,7 @@ from forerun.bench.cell import PairRun, alpha, position_acceptance, predicted_ta
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
 from forerun.metrics import SpecStats, merge
-from forerun.provenance import Sample, render_terminal, shares, spans, token_pieces
+from forerun.bench.provenance import Sample, render_terminal, shares, spans, token_pieces
 from tests.tiny import tiny_model
 
 

@@ -2,7 +2,8 @@
 only that every size is measured, positive, and drawn)."""
 import pytest
 
-from forerun.bench.cost import CostCurve, measure, plot
+from forerun.bench.cost import plot
+from forerun.cost_curve import CostCurve, measure
 from forerun.cli import main
 from tests.tiny import tiny_model
 

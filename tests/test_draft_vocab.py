@@ -25,7 +25,7 @@ def test_greedy_output_is_unchanged(dtype):
     assert [o.token_ids for o in outs] == plain
     st = merge([o.stats for o in outs])
     assert st.accepted > 0 and st.drafted > st.accepted
-    assert verifier._drafter(spec).head.head.ids.tolist() == list(range(12))  # no tokenizer: no special ids
+    assert verifier.drafter_for(spec).head.head.ids.tolist() == list(range(12))  # no tokenizer: no special ids
 
 
 def test_sampling_keeps_the_verifiers_law():
@@ -106,7 +106,7 @@ def test_a_named_draft_model_gets_the_measured_defaults():
 
     from forerun.config import SpeculativeConfig
     from forerun.drafters import draft_model
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
     assert doctest.testmod(draft_model).failed == 0
     big = draft_model.with_named_defaults(SpeculativeConfig("draft_model", 4), 151936).options
@@ -115,15 +115,15 @@ def test_a_named_draft_model_gets_the_measured_defaults():
         SpeculativeConfig("draft_model", 4, options={"draft_vocab": 0, "draft_lookup": 0}), 151936).options
     assert kept == {"draft_vocab": 0, "draft_lookup": 0}
     verifier = LLM(tiny_model(seed=0, dtype="float32"), dtype="float32")
-    assert draft_model.named_draft_dtype(verifier) == ("int4" if int8_kernel.load() is not None else "float32")
+    assert draft_model.named_draft_dtype(verifier) == ("int4" if kernel_loader.load() is not None else "float32")
 
 
 def test_an_int4_q4k_head_keeps_its_kept_rows_blocks():
     """int4's Q4_K form (a head 256 wide): the reduced head takes its rows' blocks as they are,
     never re-fitted from their values (a re-fit does not always find the same blocks)."""
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
-    if int8_kernel.load() is None:
+    if kernel_loader.load() is None:
         pytest.skip("int4 needs the compiled kernels")
     llm = LLM(tiny_model(seed=0, dtype="int4", vocab_size=64, hidden_size=256, intermediate_size=512), dtype="int4")
     sub = reduced_head(SpeculativeConfig("draft_model", 4, options={"draft_vocab": 12}), llm, 64).head.head
@@ -140,7 +140,7 @@ def test_prompts_are_written_in_the_prefill():
     greedy = SamplingParams(temperature=0, max_tokens=12)
     plain = [o.token_ids for o in verifier.generate(PROMPTS, greedy, speculative=None)]
     spec = SpeculativeConfig("draft_model", 3, draft_model=draft)
-    drafter = verifier._drafter(spec)
+    drafter = verifier.drafter_for(spec)
     widths, forward = [], draft.model.forward
     draft.model.forward = lambda batch, *a, **kw: widths.append(batch.tokens.shape[1]) or forward(batch, *a, **kw)
     outs = verifier.generate(PROMPTS, greedy, speculative=spec)

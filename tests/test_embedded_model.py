@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 from forerun.llm import LLM
 from tests.tiny import truncated_copy
 
@@ -54,10 +54,10 @@ def test_the_default_precision_is_the_files_own_blocks(llm, llm_f32, prompts):
 def test_the_tied_table_is_held_once_and_looks_up_the_files_rows(llm, llm_f32):
     """SmolLM2 ties its head to its Q8_0 embedding: where the head is packed for the VNNI
     kernel, the embedding reads its rows from that copy, and they are the file's values."""
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
     emb, head = llm.model.model.embed_tokens, llm.model.lm_head
-    assert (emb.blocks is head.parts[0]) == bool(int8_kernel.load().gguf_packed_vnni())
+    assert (emb.blocks is head.parts[0]) == bool(kernel_loader.load().gguf_packed_vnni())
     ids = torch.tensor([[0, 17, 49151, 17]])
     assert torch.equal(emb(ids), llm_f32.model.model.embed_tokens(ids))
 

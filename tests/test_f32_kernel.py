@@ -8,20 +8,21 @@ import io
 import pytest
 import torch
 
+from forerun.kernels.backend import CpuKernels
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
-from forerun.models import int8_kernel
-from forerun.models.f32_linear import F32RowsLinear
+from forerun.kernels import loader as kernel_loader
+from forerun.linears.f32 import F32RowsLinear
 from tests.tiny import tiny_model
 
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="needs the compiled kernels")
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None, reason="needs the compiled kernels")
 
 
 @pytest.mark.parametrize("n_in,n_out,bias", [(96, 80, False), (130, 47, True), (512, 1000, True), (3, 200, False)])
 def test_the_linear_is_nn_linear_and_per_row(n_in, n_out, bias):
     torch.manual_seed(0)
     lin = torch.nn.Linear(n_in, n_out, bias=bias)
-    f = F32RowsLinear(lin, int8_kernel.load())
+    f = F32RowsLinear(lin, kernel_loader.load())
     x = torch.randn(21, n_in) * torch.rand(21, 1) * 5
     with torch.inference_mode():
         got = f(x)
@@ -34,7 +35,7 @@ def test_the_linear_is_nn_linear_and_per_row(n_in, n_out, bias):
 
 def test_copy_pickle_and_bfloat16_input():
     torch.manual_seed(0)
-    f = F32RowsLinear(torch.nn.Linear(64, 48, bias=True), int8_kernel.load())
+    f = F32RowsLinear(torch.nn.Linear(64, 48, bias=True), kernel_loader.load())
     x = torch.randn(5, 64)
     buf = io.BytesIO()
     torch.save(f, buf)
@@ -58,7 +59,8 @@ def verifier(request):
 def test_the_float32_model_uses_the_kernels(verifier):
     layer = verifier.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, F32RowsLinear) and isinstance(verifier.model.lm_head, F32RowsLinear)
-    assert layer.self_attn.prefix_attention is not None
+    backend = verifier.model.backend
+    assert isinstance(backend, CpuKernels) and not backend.fused  # per-query attention, torch's norms
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "quantized"])
@@ -75,7 +77,7 @@ def test_float32_speculative_equals_float32_plain_and_alone(verifier, method):
 def test_a_verify_forward_gives_each_token_its_decode_logits(verifier):
     """The bit-level version: 6 tokens scored in one forward against the same tokens fed
     one by one (plain decoding's forwards), logits equal to the last bit."""
-    from forerun.kv_cache import chain_batch
+    from forerun.kv.cache import chain_batch
 
     m = verifier.model
     ids = [(7 * j) % 30 + 1 for j in range(12)]
@@ -91,10 +93,10 @@ def test_a_verify_forward_gives_each_token_its_decode_logits(verifier):
 def test_the_state_dict_is_nn_linears():
     torch.manual_seed(0)
     lin = torch.nn.Linear(40, 30, bias=True)
-    f = F32RowsLinear(lin, int8_kernel.load())
+    f = F32RowsLinear(lin, kernel_loader.load())
     state = f.state_dict()
     assert set(state) == {"weight", "bias"} and torch.equal(state["weight"], lin.weight.detach())
-    g = F32RowsLinear(torch.nn.Linear(40, 30, bias=True), int8_kernel.load())
+    g = F32RowsLinear(torch.nn.Linear(40, 30, bias=True), kernel_loader.load())
     g.load_state_dict(state)
     x = torch.randn(3, 40)
     with torch.inference_mode():

@@ -8,7 +8,7 @@ import pytest
 
 from forerun.bench import fidelity
 from forerun.bench.quality import QualityRow
-from forerun.models.gguf_convert import SOURCE_FILE
+from forerun.gguf.convert import SOURCE_FILE
 
 ROWS = [QualityRow("float32", 3.4563, 1530, 0.0, 0.0, 1.0), QualityRow("int4", 3.4908, 1530, 1.0, 0.0084, 0.971),
         QualityRow("llama.cpp (m.gguf)", 3.4551, 1530, -0.03)]

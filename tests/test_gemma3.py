@@ -16,7 +16,7 @@ import transformers
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.embedded import cache_dir, ensure_gemma3_gguf, gemma3_model_dir
 from forerun.llm import LLM
-from forerun.kv_cache import chain_batch, tree_batch
+from forerun.kv.cache import chain_batch, tree_batch
 from forerun.models.config import ModelConfig
 from forerun.models.gemma3 import Gemma3ForCausalLM
 from tests.tiny import assert_full_forward_matches, hf_reference_pair

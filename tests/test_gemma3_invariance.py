@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from forerun.kv_cache import chain_batch, tree_batch
-from forerun.models import int8_kernel
+from forerun.kernels.backend import CpuKernels
+from forerun.kv.cache import chain_batch, tree_batch
+from forerun.kernels import loader as kernel_loader
 from forerun.models.config import ModelConfig
 from forerun.models.gemma3 import Gemma3ForCausalLM
 from forerun.models.loader import finish_model
 
-KERNEL = int8_kernel.load()
+KERNEL = kernel_loader.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="needs forerun's compiled kernels")
 
 TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -37,7 +38,7 @@ def _gguf_linears_(model: nn.Module) -> None:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from forerun.models.gguf_native import Blocks, GGUFLinear
+    from forerun.linears.gguf import Blocks, GGUFLinear
 
     for i, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
@@ -46,7 +47,7 @@ def _gguf_linears_(model: nn.Module) -> None:
                     t = T.Q8_0 if i % 2 else T.Q5_1
                     data = quants.quantize(child.weight.detach().numpy().astype(np.float32), t)
                     setattr(parent, name, GGUFLinear([Blocks(torch.from_numpy(data), int(t), child.in_features)]))
-    model.use_chain_attention_kernel(KERNEL)
+    model.set_backend(CpuKernels(KERNEL))
 
 
 def _model(precision: str) -> Gemma3ForCausalLM:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from forerun.errors import ModelLoadError
-from forerun.models.gguf_convert import convert_gguf_to_hf, unpermute_rope_rows
+from forerun.gguf.convert import convert_gguf_to_hf, unpermute_rope_rows
 
 TINY = dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn=48, context=64)
 

@@ -1,4 +1,4 @@
-"""The GGUF index (models/gguf_index.py): a file is parsed by GGUFReader once per version; later
+"""The GGUF index (gguf/index.py): a file is parsed by GGUFReader once per version; later
 loads read the cached index and only the tensor bytes, and get the same model."""
 import os
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from forerun.llm import LLM
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None or not hasattr(int8_kernel.load(), "gguf_rows"),
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None or not hasattr(kernel_loader.load(), "gguf_rows"),
                                 reason="reading GGUF blocks needs the compiled kernels")
 
-from forerun.models import gguf_index  # noqa: E402
+from forerun.gguf import index as gguf_index  # noqa: E402
 from tests.test_gguf_native import PROMPTS, write_quantized_gguf  # noqa: E402
 
 

@@ -5,6 +5,7 @@ for every type), computes the documented function (per-block int8 activations x 
 gives a token the same bits alone or beside others, and so `gguf` speculative decoding emits
 exactly what `gguf` plain decoding emits, on a tiny random model written as a GGUF with a mix
 of every native type (a q/k/v of three types, llama.cpp's permuted q/k rows)."""
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -12,15 +13,15 @@ import torch
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
 from forerun.metrics import merge
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None or not hasattr(int8_kernel.load(), "gguf_rows"),
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None or not hasattr(kernel_loader.load(), "gguf_rows"),
                                 reason="gguf needs the compiled kernels")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from forerun.models.gguf_native import NATIVE_TYPES, Blocks, GGUFEmbedding, GGUFLinear  # noqa: E402
+from forerun.linears.gguf import NATIVE_TYPES, Blocks, GGUFEmbedding, GGUFLinear  # noqa: E402
 
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
@@ -51,7 +52,7 @@ def blocks(t: T, rows: int, k: int, seed: int = 0) -> Blocks:
 def test_dequantization_is_ggml_reference_bit_for_bit(t):
     b = blocks(t, 37, 512, seed=int(t))
     ref = quants.dequantize(b.data.numpy(), t).reshape(37, 512)
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     for vector in (True, False):  # the AVX2 decoder and the scalar one
         ids = torch.arange(37)
         assert np.array_equal(kernel.gguf_dequant_rows(b.data, int(t), ids, 512, vector).numpy(), ref), vector
@@ -89,7 +90,7 @@ def test_the_kernel_computes_the_documented_function(t, kernel_choice):
     x = torch.randn(9, 768) * 2
     ref = reference(x, w) + bias.double()
     y = lin(x)
-    assert lin.packed == (kernel_choice == "packed" and bool(int8_kernel.load().gguf_packed_vnni()))
+    assert lin.packed == (kernel_choice == "packed" and bool(kernel_loader.load().gguf_packed_vnni()))
     assert y.shape == (9, 45)
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
@@ -156,7 +157,7 @@ def test_the_embedding_looks_up_exact_rows_and_refuses_bad_ids():
 
 
 def test_a_part_with_a_bad_shape_is_refused():
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     w = blocks(T.Q4_K, 8, 512)
     with pytest.raises(RuntimeError, match="blocks of 256"):
         kernel.gguf_rows(torch.randn(2, 300), [w.data], [w.type], torch.empty(0))
@@ -263,7 +264,7 @@ def test_the_model_keeps_the_files_blocks(verifier):
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFLinear) and [p.type for p in qkv.parts] == [T.Q4_K, T.Q5_K, T.Q6_K]
     gate_up = model.model.layers[-1].mlp.gate_up_proj
-    vnni = bool(int8_kernel.load().gguf_packed_vnni())
+    vnni = bool(kernel_loader.load().gguf_packed_vnni())
     assert [p.type for p in gate_up.parts] == [T.Q4_K, T.Q6_K] and qkv.packed == vnni
     assert gate_up.packed == model.lm_head.packed == vnni
     legacy = model.model.layers[0].mlp
@@ -279,17 +280,15 @@ def test_a_gguf_layer_in_one_call_gives_the_op_by_op_bits(verifier):
     chain forwards take."""
     import copy
 
-    from tests.test_int8_identity import _assert_same_chain_logits
+    from tests.test_int8_identity import _assert_same_chain_logits, count_one_call_layers
 
     fused = copy.deepcopy(verifier.model)
-    calls = []
     for layer in fused.model.layers:
         assert isinstance(layer.input_layernorm, torch.nn.Identity) and layer.self_attn.qkv_proj.pre_norm is not None
-        assert layer.fused_block is not None and layer.mlp.gate_up_proj.kernel_linear is not None
-        layer.fused_block = lambda *a, f=layer.fused_block: calls.append(1) or f(*a)
+        assert layer.one_call_form() and layer.mlp.gate_up_proj.kernel_linear is not None
+    calls = count_one_call_layers(fused)
     plain = copy.deepcopy(fused)
-    for layer in plain.model.layers:
-        layer.fused_block = None
+    plain.set_backend(dataclasses.replace(plain.backend, one_call=False))
     _assert_same_chain_logits(fused, plain)
     assert len(calls) == 4 * len(fused.model.layers)
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None or not hasattr(int8_kernel.load(), "gguf_pack"),
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None or not hasattr(kernel_loader.load(), "gguf_pack"),
                                 reason="the packed GGUF kernel needs the compiled kernels")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from forerun.models.gguf_native import NATIVE_TYPES, GGUFLinear, packs  # noqa: E402
+from forerun.linears.gguf import NATIVE_TYPES, GGUFLinear, packs  # noqa: E402
 from tests.test_gguf_native import blocks, reference  # noqa: E402
 
 PACKED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -40,7 +40,7 @@ def test_packing_keeps_the_files_values_bit_for_bit(t, rows):
 
 def packed_rows(x: torch.Tensor, parts, bias=None) -> torch.Tensor:
     packed = [p.pack() for p in parts]
-    return int8_kernel.load().gguf_packed_rows(x, [p.data for p in packed], [p.type for p in packed],
+    return kernel_loader.load().gguf_packed_rows(x, [p.data for p in packed], [p.type for p in packed],
                                                [p.rows for p in packed], torch.empty(0) if bias is None else bias)
 
 
@@ -93,7 +93,7 @@ def test_legacy_tiles_over_inputs_not_whole_256s_are_batch_invariant():
 def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function(monkeypatch):
     parts = [blocks(T.Q4_K, 20, 256, 4), blocks(T.Q6_K, 12, 256, 5)]
     lin = GGUFLinear(parts)
-    assert lin.packed == packs(parts) == bool(int8_kernel.load().gguf_packed_vnni())
+    assert lin.packed == packs(parts) == bool(kernel_loader.load().gguf_packed_vnni())
     x = torch.randn(3, 256)
     ref = torch.cat([reference(x, p) for p in parts], 1)
     assert (lin(x).double() - ref).abs().max() <= 2e-6 * ref.abs().max()
@@ -110,7 +110,7 @@ def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function(monkeyp
 
 
 def test_bad_packed_input_is_refused():
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     w = blocks(T.Q4_K, 8, 512).pack()
     with pytest.raises(RuntimeError, match="no packed kernel"):
         kernel.gguf_pack(blocks(T.Q5_K, 8, 512).data, 10, 512)  # Q2_K

@@ -3,17 +3,19 @@ time (models/loader.py: requantize_), never from a float32 copy of the whole mod
 neither written to the cache nor held in memory (the 0.5B's int4 load: 5.6 -> under 3 GB
 resident): int8 the same model, bit for bit, as quantizing that copy; int4 the file's own Q4_K
 blocks kept and every other matrix as int4 of that copy fits it."""
+import dataclasses
 import pytest
 import torch
 
 from forerun.llm import LLM
-from forerun.models import int8_kernel, loader
+from forerun.models import loader
+from forerun.kernels import loader as kernel_loader
 
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None or not hasattr(int8_kernel.load(), "gguf_rows"),
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None or not hasattr(kernel_loader.load(), "gguf_rows"),
                                 reason="reading GGUF blocks needs the compiled kernels")
 
-from forerun.models.gguf_native import GGUFEmbedding, GGUFLinear  # noqa: E402
-from forerun.models.quant import Int8Linear  # noqa: E402
+from forerun.linears.gguf import GGUFEmbedding, GGUFLinear  # noqa: E402
+from forerun.linears.int8 import Int8Linear  # noqa: E402
 from tests.test_gguf_native import PROMPTS, write_quantized_gguf  # noqa: E402
 
 
@@ -28,7 +30,8 @@ def test_int8_from_the_blocks_equals_int8_from_the_float32_copy(tmp_path, monkey
     assert isinstance(model.model.embed_tokens, GGUFEmbedding)
     assert not any(isinstance(m, GGUFLinear) for m in model.modules())
 
-    monkeypatch.setattr(loader, "_from_blocks", lambda folder, device: False)  # the float32 copy's way
+    real = loader.resolve_precision  # the float32 copy's way: as if the file's blocks could not be read
+    monkeypatch.setattr(loader, "resolve_precision", lambda *a, **k: dataclasses.replace(real(*a, **k), gguf_blocks=False))
     copy = LLM(str(path), dtype="int8", progress=False)
     assert any(copy.source.glob("*.safetensors"))
     for ids in PROMPTS:
@@ -48,7 +51,8 @@ def test_int4_keeps_the_files_q4k_blocks_and_fits_the_others_as_from_the_float32
     file = LLM(str(path), dtype="gguf", progress=False).model
     int4 = LLM(str(path), dtype="int4", progress=False)
     assert not any(int4.source.glob("*.safetensors"))  # no float32 copy written
-    monkeypatch.setattr(loader, "_from_blocks", lambda folder, device: False)  # the float32 copy's way
+    real = loader.resolve_precision  # the float32 copy's way: as if the file's blocks could not be read
+    monkeypatch.setattr(loader, "resolve_precision", lambda *a, **k: dataclasses.replace(real(*a, **k), gguf_blocks=False))
     copy = LLM(str(path), dtype="int4", progress=False).model
     names = [n for n, m in file.named_modules() if isinstance(m, GGUFLinear)]
     assert "lm_head" in names and len(names) == 1 + 4 * len(file.model.layers)

@@ -8,7 +8,7 @@ from forerun.drafters.base import DraftRequest
 from forerun.errors import ConfigError, ModelLoadError
 from forerun.heads.checkpoint import load_head, new_head, save_head
 from forerun.heads.fingerprint import verifier_fingerprint
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 from forerun.llm import LLM
 from forerun.metrics import merge
 from tests.test_greedy_identity import GREEDY, PROMPTS, plain, verifier  # noqa: F401 (the same prompts and fixtures)
@@ -57,7 +57,7 @@ def test_reduced_draft_vocab_drafts_only_kept_ids_and_stays_exact(verifier, plai
     spec = SpeculativeConfig(method, 3, draft_model=heads[method], tree_width=2,
                              options={"draft_vocab": 12, "tree_nodes": 5, "draft_vocab_context": context})
     drafted = []
-    d = verifier._drafter(spec)
+    d = verifier.drafter_for(spec)
     real = d.propose
     d.propose = lambda *a: [drafted.extend(x.tokens) or x for x in real(*a)]
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
@@ -74,7 +74,7 @@ def test_a_quantized_reduced_head_stays_exact(verifier, plain, heads, method, he
     """head_dtype: the reduced head that scores drafts runs at int8 / int4 under a float
     verifier (as the head's layers do); drafts change at most, the output does not."""
     spec = SpeculativeConfig(method, 3, draft_model=heads[method], options={"draft_vocab": 40, "head_dtype": head_dtype})
-    head = verifier._drafter(spec).logits.head.head
+    head = verifier.drafter_for(spec).logits.head.head
     assert type(head).__name__ == {"int8": "Int8Linear", "int4": "Int4Linear"}[head_dtype]
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
     assert [o.token_ids for o in outs] == plain
@@ -93,7 +93,7 @@ def test_adaptive_k_mixes_draft_lengths_and_skipped_rows(verifier, plain, heads,
     spec = SpeculativeConfig(method, "auto", draft_model=heads[method],
                              options={"k_max": 4, "verify_cost": [1.0, 1.0, 1.05, 1.1, 1.2]})
     ks = set()
-    d = verifier._drafter(spec)
+    d = verifier.drafter_for(spec)
     real = d.propose
     d.propose = lambda reqs, *a: ks.update(r.k for r in reqs) or real(reqs, *a)
     outs = verifier.generate(PROMPTS, GREEDY, speculative=spec)
@@ -104,12 +104,12 @@ def test_adaptive_k_mixes_draft_lengths_and_skipped_rows(verifier, plain, heads,
 
 def test_int8_chains_equal_int8_plain_decoding():
     """At int8 (batch-invariant kernels) a chain's verification gives plain decoding's bits."""
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
     from forerun.heads.checkpoint import at_verifier_precision
-    from forerun.models.quant import Int8Linear
+    from forerun.linears.int8 import Int8Linear
 
-    if int8_kernel.load() is None:
+    if kernel_loader.load() is None:
         pytest.skip("needs the compiled int8 kernels")
     llm = LLM(tiny_model(seed=0, dtype="int8", hidden_size=64, intermediate_size=128), dtype="int8")
     plain8 = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, speculative=None)]
@@ -157,7 +157,7 @@ def _drafter(verifier, spec, seq):
     """A drafter that has seen prefill of `seq` (its hidden states), ready to propose."""
     from forerun.engine import Sequence, prefill
 
-    d = verifier._drafter(spec)
+    d = verifier.drafter_for(spec)
     cache = verifier.model.new_cache(1, 64)
     d.start(1, 64, cache)
     prefill(verifier.model, cache, [Sequence(0, list(seq), len(seq), 8)], d)

@@ -13,7 +13,7 @@ import torch
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.drafters.base import Draft, HiddenRows
 from forerun.engine import GenerateJob, generate
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 from tests.tiny import tiny_model
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7], [3, 3, 9, 1]]

@@ -3,7 +3,7 @@
 Read from the sources (nothing is imported): every `import forerun...` and `from forerun...
 import ...`, at module level and inside functions alike. The loops this guards against all
 ran through imports deferred into functions (cli.py <-> bench/commands.py, config.py ->
-drafters/base.py -> config.py, models/quant.py <-> models/int8_probe.py): deferring an import
+drafters/base.py -> config.py, linears/int8.py <-> models/int8_probe.py): deferring an import
 hides a loop from Python at import time, not from a reader. Only `if TYPE_CHECKING:` blocks
 are left out (annotations, never run).
 """
@@ -35,7 +35,7 @@ def _imported(node: ast.AST, here: str, is_package: bool, known: dict) -> list[s
         names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
     found = []
     for name in names:
-        while name and name not in known:  # `import forerun.models.quant as q` -> that module
+        while name and name not in known:  # `import forerun.linears.int8 as q` -> that module
             name = name.rpartition(".")[0]
         if name.startswith("forerun"):
             found.append(name)
@@ -93,7 +93,7 @@ def test_the_scan_finds_a_loop_and_reads_imports_in_functions():
     assert find_loop({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     graph = import_graph()
     assert "forerun.cli_args" in graph["forerun.serve.main"]  # (imported inside cmd_serve)
-    assert "forerun.models.int8_kernel" in graph["forerun.models.quant"]
+    assert "forerun.kernels.loader" in graph["forerun.linears.int8"]
     assert "forerun.drafters.ngram" in graph["forerun.drafters"]  # from forerun.drafters import ngram
 
 

@@ -5,16 +5,17 @@ decoding emits exactly what int4 plain decoding emits."""
 import pytest
 import torch
 
+from forerun.kernels.backend import CpuKernels
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
 from forerun.metrics import merge
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 from tests.tiny import tiny_model
 
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="int4 needs the compiled kernels")
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None, reason="int4 needs the compiled kernels")
 
-from forerun.models.gguf_native import GGUFLinear  # noqa: E402
-from forerun.models.quant4 import GROUP, Int4Linear, dequantize_groups, int4_linear, quantize_groups  # noqa: E402
+from forerun.linears.gguf import GGUFLinear  # noqa: E402
+from forerun.linears.int4 import GROUP, Int4Linear, dequantize_groups, int4_linear, quantize_groups  # noqa: E402
 from tests.test_quant import group_quantized  # noqa: E402
 
 
@@ -120,7 +121,7 @@ def test_the_fit_does_not_depend_on_threads():
     torch.manual_seed(6)
     w = torch.randn(300, 4 * GROUP)
     threads = torch.get_num_threads()
-    fits = lambda: [*quantize_groups(w), int8_kernel.load().int4_fit_q4k(w)]  # noqa: E731
+    fits = lambda: [*quantize_groups(w), kernel_loader.load().int4_fit_q4k(w)]  # noqa: E731
     try:
         torch.set_num_threads(2)
         many = fits()
@@ -133,7 +134,7 @@ def test_the_fit_does_not_depend_on_threads():
 
 def q4k_values(blocks: torch.Tensor, K: int) -> torch.Tensor:
     """Q4_K bytes [M, K / 256 * 144] -> [M, K] float32, by ggml's dequantization (the gguf kernels')."""
-    return int8_kernel.load().gguf_dequant_rows(blocks, 12, torch.arange(blocks.shape[0]), K, False)
+    return kernel_loader.load().gguf_dequant_rows(blocks, 12, torch.arange(blocks.shape[0]), K, False)
 
 
 def plain_q4k(w: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,7 @@ def test_q4k_blocks_are_fitted_closer_than_a_plain_q4k_and_than_groups_of_64():
     torch.manual_seed(7)
     w = torch.randn(96, 1024)
     w[::7, ::13] *= 6
-    fit = q4k_values(int8_kernel.load().int4_fit_q4k(w), 1024)
+    fit = q4k_values(kernel_loader.load().int4_fit_q4k(w), 1024)
     err = lambda v: float(((v - w) ** 2).sum())  # noqa: E731
     assert err(fit) < 0.9 * err(plain_q4k(w))
     assert err(fit) < 0.9 * err(dequantize_groups(*quantize_groups(w), 1024))
@@ -173,9 +174,9 @@ def test_weights_already_on_a_q4k_grid_come_back_byte_for_byte():
     D = (torch.rand(rows, nb, 1) * 1e-2 + 1e-4).half().float()
     Dm = (torch.rand(rows, nb, 1) * 1e-2).half().float()
     w = ((D * sc).unsqueeze(-1) * q - (Dm * mn).unsqueeze(-1)).view(rows, nb * 256)
-    blocks = int8_kernel.load().int4_fit_q4k(w)
+    blocks = kernel_loader.load().int4_fit_q4k(w)
     assert torch.equal(q4k_values(blocks, nb * 256), w)
-    assert torch.equal(int8_kernel.load().int4_fit_q4k(q4k_values(blocks, nb * 256)), blocks)
+    assert torch.equal(kernel_loader.load().int4_fit_q4k(q4k_values(blocks, nb * 256)), blocks)
 
 
 def test_int4_takes_the_q4k_form_for_whole_blocks_of_256_only():
@@ -184,7 +185,7 @@ def test_int4_takes_the_q4k_form_for_whole_blocks_of_256_only():
     q, g = int4_linear(wide), int4_linear(narrow)
     assert isinstance(q, GGUFLinear) and [p.type for p in q.parts] == [12] and isinstance(g, Int4Linear)
     x = torch.randn(3, 512)
-    assert torch.equal(q.weight, q4k_values(int8_kernel.load().int4_fit_q4k(wide.weight.detach()), 512))
+    assert torch.equal(q.weight, q4k_values(kernel_loader.load().int4_fit_q4k(wide.weight.detach()), 512))
     assert torch.equal(q.bias, wide.bias.detach())
     blocks = x.double().view(3, 2, 256)  # the gguf kernels' activations: int8, one scale per 256
     scale = blocks.abs().amax(-1, keepdim=True) / 127
@@ -192,7 +193,7 @@ def test_int4_takes_the_q4k_form_for_whole_blocks_of_256_only():
     ref = torch.nn.functional.linear(xq, q.weight.double(), q.bias.double())
     assert (q(x).double() - ref).abs().max() < 1e-5 * ref.abs().max()
     with pytest.raises(RuntimeError, match="multiple of 256"):
-        int8_kernel.load().int4_fit_q4k(narrow.weight.detach())
+        kernel_loader.load().int4_fit_q4k(narrow.weight.detach())
 
 
 def test_padding_does_not_widen_the_last_group():
@@ -236,8 +237,9 @@ def test_the_int4_model_uses_the_kernels(verifier):
     form = GGUFLinear if cfg.hidden_size % 256 == 0 else Int4Linear
     assert isinstance(layer.self_attn.qkv_proj, form) and isinstance(verifier.model.lm_head, form)
     assert isinstance(layer.mlp.down_proj, GGUFLinear if cfg.intermediate_size % 256 == 0 else Int4Linear)
-    assert layer.self_attn.prefix_attention is not None and layer.self_attn.qkv_proj.pre_norm is not None
-    assert layer.fused_block is not None  # the layer in one C++ call, whichever forms its linears take
+    assert isinstance(verifier.model.backend, CpuKernels) and verifier.model.backend.fused
+    assert layer.self_attn.qkv_proj.pre_norm is not None
+    assert layer.one_call_form() and layer.bound_linears() is not None  # the layer in one C++ call, whichever forms its linears take
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "quantized"])

@@ -4,17 +4,19 @@ int8 linears and the per-query chain attention give a token the same bits whethe
 scored alone or beside k drafted tokens. Token trees too: their attention runs the same
 per-query code over each node's visible keys (attend_masked), so a node on the accepted
 path gets the bits its chain would."""
+import dataclasses
 import pytest
 
+from forerun.kernels.backend import CpuKernels
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
 from forerun.metrics import merge
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 from tests.tiny import tiny_model
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4]]
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="needs the compiled int8 kernels")
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None, reason="needs the compiled int8 kernels")
 
 
 @pytest.fixture(scope="module", params=[0, 1, 2])
@@ -31,7 +33,7 @@ def plain(verifier):
 
 def test_the_int8_model_uses_the_kernels(verifier):
     layer = verifier.model.model.layers[0]
-    assert layer.self_attn.prefix_attention is not None
+    assert isinstance(verifier.model.backend, CpuKernels) and verifier.model.backend.fused
     assert layer.self_attn.qkv_proj.pre_norm is not None and layer.mlp.gate_up_proj.pre_norm is not None
 
 
@@ -65,7 +67,7 @@ def _tree_path_equals_chain(model) -> bool:
     chain forward of the same tokens: are the path's logits bit-identical?"""
     import torch
 
-    from forerun.kv_cache import chain_batch, tree_batch
+    from forerun.kv.cache import chain_batch, tree_batch
 
     prompt, path = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [7, 2, 11, 4]  # pending 7, then a b c
     with torch.inference_mode():
@@ -89,8 +91,7 @@ def test_the_tree_check_catches_sdpa_tree_attention():
     models = []
     for seed in range(3):
         m = LLM(tiny_model(seed=seed, dtype="int8", hidden_size=64, intermediate_size=128), dtype="int8").model
-        for layer in m.model.layers:
-            layer.self_attn.masked_attention = None
+        m.set_backend(dataclasses.replace(m.backend, masked=False))
         models.append(m)
     assert not all(_tree_path_equals_chain(m) for m in models)
 
@@ -100,7 +101,7 @@ def test_masked_attention_gives_a_tree_node_its_chain_bits():
     scattered slots, with the same K/V there, gets exactly the chain's output."""
     import torch
 
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     for head_dim in (64, 8):
         g = torch.Generator().manual_seed(2)
         cap, s0, T = 64, 40, 4
@@ -145,7 +146,7 @@ def test_a_query_gets_its_bits_in_any_group(head_dim):
     import torch
     import torch.nn.functional as F
 
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     g = torch.Generator().manual_seed(4)
     cap, s0, T, H, Hkv = 1100, 700, 3, 6, 2
     k, v = torch.randn(1, Hkv, cap, head_dim, generator=g), torch.randn(1, Hkv, cap, head_dim, generator=g)
@@ -177,7 +178,7 @@ def test_prefix_attention_is_per_query_and_matches_sdpa(head_dim):
     import torch
     import torch.nn.functional as F
 
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     g = torch.Generator().manual_seed(0)
     cap, s0, T = 300, 250, 6
     k, v = torch.randn(2, 3, cap, head_dim, generator=g), torch.randn(2, 3, cap, head_dim, generator=g)
@@ -201,7 +202,7 @@ def test_the_fused_attention_layer_equals_the_op_by_op_path(head_dim):
 
     from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     g = torch.Generator().manual_seed(1)
     H, Hkv, B, T, cap = 6, 2, 3, 5, 120
     k, v = torch.randn(4, Hkv, cap, head_dim, generator=g), torch.randn(4, Hkv, cap, head_dim, generator=g)
@@ -227,10 +228,9 @@ def test_the_model_gives_the_same_bits_with_and_without_the_fused_layer(verifier
     import copy
 
     fused = verifier.model
-    assert fused.model.layers[0].self_attn.fused_layer is not None
+    assert fused.backend.fused_layer
     plain = copy.deepcopy(fused)
-    for layer in plain.model.layers:
-        layer.self_attn.fused_layer = None
+    plain.set_backend(dataclasses.replace(plain.backend, fused_layer=False))
     _assert_same_chain_logits(fused, plain)
 
 
@@ -241,14 +241,11 @@ def test_a_layer_in_one_call_gives_the_op_by_op_bits(dtype):
     import copy
 
     fused = LLM(tiny_model(seed=5, dtype=dtype, hidden_size=64, intermediate_size=128), dtype=dtype).model
-    fused.layer_stack = None  # layer by layer (the stack's own test is below)
-    calls = []
-    for layer in fused.model.layers:
-        assert layer.fused_block is not None
-        layer.fused_block = lambda *a, f=layer.fused_block: calls.append(1) or f(*a)
+    fused.set_backend(dataclasses.replace(fused.backend, stacked=False))  # layer by layer (the stack's own test is below)
+    assert all(layer.one_call_form() for layer in fused.model.layers)
+    calls = count_one_call_layers(fused)
     plain = copy.deepcopy(fused)
-    for layer in plain.model.layers:
-        layer.fused_block = None
+    plain.set_backend(dataclasses.replace(plain.backend, one_call=False))
     _assert_same_chain_logits(fused, plain)
     assert len(calls) == 4 * len(fused.model.layers)  # every forward: the prompts and the three steps
 
@@ -264,20 +261,34 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(dtype):
 def assert_stack_gives_layer_bits(fused):
     import copy
 
-    stack, calls = fused.layer_stack, []
+    stack, calls = fused.backend.stack, []
     assert stack is not None
-    fused.layer_stack = lambda *a: calls.append(1) or stack(*a)
+    fused.backend.stack = lambda *a: calls.append(1) or stack(*a)
     plain = copy.deepcopy(fused)
-    assert plain.layer_stack is None  # a copy runs layer by layer until its own stack is bound
+    assert plain.backend.stack is None  # a copy runs layer by layer until its own stack is bound
     _assert_same_chain_logits(fused, plain)
     assert len(calls) == 4  # every forward: the prompts and the three steps
+
+
+def count_one_call_layers(model) -> list:
+    """A list that grows by one each time `model`'s backend runs a layer in one call."""
+    calls, layer = [], model.backend.layer
+
+    def counted(*args):
+        out = layer(*args)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    model.backend.layer = counted  # (this backend only: a copy's set_backend builds a fresh one)
+    return calls
 
 
 def _assert_same_chain_logits(a, b):
     """Prompts, then chain steps of 1, 5 and 2 tokens over two ragged rows: equal logits."""
     import torch
 
-    from forerun.kv_cache import chain_batch
+    from forerun.kv.cache import chain_batch
 
     prompts, steps = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], [[5], [3, 5, 8, 9, 7], [1, 2]]
     with torch.inference_mode():
@@ -297,7 +308,7 @@ def test_a_wide_forward_gives_each_row_its_own_logits(verifier):
     each row alone (6 tokens: the compiled kernel), logits equal to the last bit."""
     import torch
 
-    from forerun.kv_cache import chain_batch
+    from forerun.kv.cache import chain_batch
 
     m = verifier.model
     rows = [[(7 * i + j) % 30 + 1 for j in range(6)] for i in range(12)]
@@ -328,7 +339,7 @@ def test_a_ragged_long_prefill_gives_each_row_its_own_logits(verifier):
     alone, logits equal to the last bit at every real position."""
     import torch
 
-    from forerun.kv_cache import chain_batch
+    from forerun.kv.cache import chain_batch
 
     m = verifier.model
     rows = LONG_PROMPTS + [PROMPTS[0]]
@@ -343,7 +354,7 @@ def test_a_ragged_long_prefill_gives_each_row_its_own_logits(verifier):
 def _rows_differing_alone(model, rows) -> int:
     import torch
 
-    from forerun.kv_cache import chain_batch
+    from forerun.kv.cache import chain_batch
 
     n = len(rows)
     with torch.inference_mode():
@@ -360,8 +371,7 @@ def test_these_checks_catch_batch_dependent_attention(verifier):
     import copy
 
     model = copy.deepcopy(verifier.model)
-    for layer in model.model.layers:
-        layer.self_attn.prefix_attention = layer.self_attn.fused_layer = None
+    model.set_backend(dataclasses.replace(model.backend, per_query=False, fused_layer=False))
     ragged = [[(7 * i + j) % 30 + 1 for j in range(3 + i)] for i in range(12)] + LONG_PROMPTS
     assert _rows_differing_alone(verifier.model, ragged) == 0
     assert _rows_differing_alone(model, ragged) > 0
@@ -371,7 +381,7 @@ def test_silu_mul_rows_takes_empty_inputs():
     """No rows, or a zero-width [gate | up]: an empty result of the right shape, not a crash."""
     import torch
 
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     assert kernel.silu_mul_rows(torch.zeros(3, 0)).shape == (3, 0)
     assert kernel.silu_mul_rows(torch.zeros(0, 8)).shape == (0, 4)
     gu = torch.randn(2, 3, 10)

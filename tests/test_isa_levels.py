@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from forerun.models.int8_kernel import cpu_flags
+from forerun.kernels.loader import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 BIT_LEVEL_TESTS = ["tests/test_quant.py", "tests/test_int8_identity.py", "tests/test_int4.py",
@@ -33,12 +33,12 @@ LEVELS = [  # (ONEDNN_MAX_CPU_ISA, FORERUN_KERNEL_MARCH, ATEN_CPU_CAPABILITY, CP
 # part-padding last group) and Q4_K blocks (of its first 768 inputs).
 FIT_DIGEST = """
 import hashlib, torch
-from forerun.models import int8_kernel
-from forerun.models.quant4 import quantize_groups
+from forerun.kernels import loader as kernel_loader
+from forerun.linears.int4 import quantize_groups
 g = torch.Generator().manual_seed(3)
 w = torch.randn(300, 1000, generator=g)
 w[::5, ::11] *= 8
-fits = [*quantize_groups(w), int8_kernel.load().int4_fit_q4k(w[:, :768].contiguous())]
+fits = [*quantize_groups(w), kernel_loader.load().int4_fit_q4k(w[:, :768].contiguous())]
 print(hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in fits)).hexdigest())
 """
 
@@ -57,7 +57,7 @@ def test_int8_bits_hold_at_this_isa_level(isa, march, aten, needs):
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa, FORERUN_KERNEL_MARCH=march)
     if aten:
         env["ATEN_CPU_CAPABILITY"] = aten
-    probe = "from forerun.models import int8_kernel as k; m = k.load(); print(None if m is None else m.has_vnni())"
+    probe = "from forerun.kernels import loader as k; m = k.load(); print(None if m is None else m.has_vnni())"
     built = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     vnni = built.stdout.strip().splitlines()[-1] if built.stdout.strip() else "None"
     if shutil.which("c++") or shutil.which("g++"):

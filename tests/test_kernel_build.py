@@ -1,5 +1,5 @@
-"""How forerun's kernels are built and found (models/kernel_key.py, models/int8_kernel.py): the
-key follows the sources' bytes, a stale installed module is refused with its reason and a
+"""How forerun's kernels are built and found (kernels/build_key.py, kernels/loader.py): the
+key follows the sources' and headers' bytes, a stale installed module is refused with its reason and a
 runtime build serves instead, and a runtime build never waits on a dead build's lock. A tiny
 one-function module stands in for the real kernels (seconds to compile, not minutes)."""
 import dataclasses
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from forerun.models import int8_kernel, kernel_key
-from forerun.models.int8_kernel import Build
+from forerun.kernels import loader as kernel_loader
+from forerun.kernels import build_key
+from forerun.kernels.loader import Build
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = str(torch.__version__)
@@ -32,8 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 BUILD_IN_A_PROCESS = """import sys, torch
 from pathlib import Path
-from forerun.models import int8_kernel as k
-build = k.Build.of(sorted(Path(sys.argv[1]).glob("*_rows.cpp")), str(torch.__version__), "native")
+from forerun.kernels import loader as k
+build = k.Build.of(sorted(Path(sys.argv[1]).glob("*.cpp")), str(torch.__version__), "native")
 m = k.runtime_build(build, Path(sys.argv[2]))
 print(m.twice(21), m.BUILD_KEY == build.key)
 """
@@ -42,15 +43,15 @@ print(m.twice(21), m.BUILD_KEY == build.key)
 def tiny_sources(folder: Path, note: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tiny_rows.cpp").write_text(TINY % note)
-    return kernel_key.sources(folder)
+    return build_key.sources(folder)
 
 
 @pytest.fixture(autouse=True)
 def fresh_kernels():
     """Tests that swap the sources or the installed module's name must not leave their module cached."""
-    int8_kernel.kernels.cache_clear()
+    kernel_loader.kernels.cache_clear()
     yield
-    int8_kernel.kernels.cache_clear()
+    kernel_loader.kernels.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def built(tmp_path_factory):
     for leftover in (dead, old):
         leftover.mkdir(parents=True)
         (leftover / "lock").write_text("")  # torch's FileBaton: its holder is gone
-    os.utime(old, (time.time() - 2 * int8_kernel.ABANDONED_S,) * 2)
+    os.utime(old, (time.time() - 2 * kernel_loader.ABANDONED_S,) * 2)
     run = subprocess.run([sys.executable, "-c", BUILD_IN_A_PROCESS, str(root / "src"), str(cache)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     return build, cache, run
@@ -75,7 +76,7 @@ def built(tmp_path_factory):
 def test_the_key_follows_the_sources_bytes_only(tmp_path):
     a = tiny_sources(tmp_path / "a", "same")
     b = tiny_sources(tmp_path / "b", "same")
-    (tmp_path / "b" / "helper.cpp").write_text("// not a *_rows.cpp: not a kernel source")
+    (tmp_path / "b" / "notes.txt").write_text("not a .cpp, .cu or header: no part of a build")
     first, elsewhere = Build.of(a, TORCH, "native"), Build.of(b, TORCH, "native")
     assert (first.key, first.digest, first.name) == (elsewhere.key, elsewhere.digest, elsewhere.name)
     os.utime(a[0], (0, 0))  # a touched file with the same bytes
@@ -83,19 +84,30 @@ def test_the_key_follows_the_sources_bytes_only(tmp_path):
     a[0].write_text(TINY % "same " + "\n")  # one byte more
     changed = Build.of(a, TORCH, "native")
     assert changed.digest != first.digest and changed.key != first.key and changed.name != first.name
-    (tmp_path / "a" / "new_rows.cpp").write_text("// a new kernel file: picked up by its name")
-    assert len(kernel_key.sources(tmp_path / "a")) == 2
+    (tmp_path / "a" / "new.cpp").write_text("// a new kernel file: picked up by its name")
+    assert len(build_key.sources(tmp_path / "a")) == 2
     other_torch, other_march = Build.of(b, "2.99.0", "native"), Build.of(b, TORCH, "x86-64-v3")
     assert other_torch.digest == first.digest and len({first.key, other_torch.key, other_march.key}) == 3
 
 
 def test_doctests():
-    assert doctest.testmod(kernel_key).failed == 0
+    assert doctest.testmod(build_key).failed == 0
 
 
-def test_the_real_sources_are_every_rows_file():
-    assert int8_kernel.SOURCES == sorted((ROOT / "forerun" / "models").glob("*_rows.cpp"))
-    assert {"int8_rows.cpp", "gguf_rows.cpp"} <= {s.name for s in int8_kernel.SOURCES}
+def test_the_real_sources_are_every_cpp_file_of_the_kernels_room():
+    assert kernel_loader.SOURCES == sorted((ROOT / "forerun" / "kernels").glob("*.cpp"))
+    assert {"module.cpp", "int8_rows.cpp", "gguf_rows.cpp"} <= {s.name for s in kernel_loader.SOURCES}
+    assert (ROOT / "forerun" / "kernels" / "kernels.h") in build_key.key_files(kernel_loader.SOURCES)
+
+
+def test_an_edited_header_changes_the_key(tmp_path):
+    sources = tiny_sources(tmp_path, "same")
+    (tmp_path / "shared.h").write_text("#pragma once\n")
+    first = Build.of(sources, TORCH, "native")
+    (tmp_path / "shared.h").write_text("#pragma once\nint edited();\n")
+    edited = Build.of(sources, TORCH, "native")
+    assert edited.sources == first.sources  # a header is not compiled on its own...
+    assert edited.digest != first.digest and edited.key != first.key  # ...but a build is made from it
 
 
 def test_a_runtime_build_announces_itself_and_ignores_a_dead_builds_lock(built):
@@ -112,31 +124,31 @@ def test_a_runtime_build_announces_itself_and_ignores_a_dead_builds_lock(built):
 
 def test_a_runtime_build_of_the_same_key_is_reused(built, capsys):
     build, cache, _ = built
-    module = int8_kernel.runtime_build(build, cache)
+    module = kernel_loader.runtime_build(build, cache)
     assert module.twice(4) == 8 and capsys.readouterr().err == ""
 
 
 def test_an_installed_module_is_checked_against_sources_torch_and_cpu(built, tmp_path, monkeypatch):
     build, cache, _ = built
     monkeypatch.syspath_prepend(str(cache / build.name))  # the tiny module stands in for the installed one
-    assert int8_kernel.installed(build, build.name)[1] is None
+    assert kernel_loader.installed(build, build.name)[1] is None
     edited = Build.of(tiny_sources(tmp_path / "src", "version b"), TORCH, "native")
-    assert "are stale (sources changed" in int8_kernel.installed(edited, build.name)[1]
-    assert "another torch" in int8_kernel.installed(dataclasses.replace(build, key="0" * 64), build.name)[1]
-    assert "another CPU" in int8_kernel.installed(dataclasses.replace(build, cpu="0" * 16), build.name)[1]
-    assert "no kernels were built at install" in int8_kernel.installed(build, "forerun_no_such_module")[1]
+    assert "are stale (sources changed" in kernel_loader.installed(edited, build.name)[1]
+    assert "another torch" in kernel_loader.installed(dataclasses.replace(build, key="0" * 64), build.name)[1]
+    assert "another CPU" in kernel_loader.installed(dataclasses.replace(build, cpu="0" * 16), build.name)[1]
+    assert "no kernels were built at install" in kernel_loader.installed(build, "forerun_no_such_module")[1]
 
 
 def test_a_stale_installed_module_is_refused_and_built_at_run_time(built, tmp_path, monkeypatch, capsys):
     build, cache, _ = built
     monkeypatch.syspath_prepend(str(cache / build.name))
-    monkeypatch.setattr(int8_kernel, "INSTALLED", build.name)
-    monkeypatch.setattr(int8_kernel, "SOURCES", tiny_sources(tmp_path / "src", "version b"))  # edited since
-    monkeypatch.setattr(int8_kernel, "MARCH", "native")
+    monkeypatch.setattr(kernel_loader, "INSTALLED", build.name)
+    monkeypatch.setattr(kernel_loader, "SOURCES", tiny_sources(tmp_path / "src", "version b"))  # edited since
+    monkeypatch.setattr(kernel_loader, "MARCH", "native")
     monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("FORERUN_NO_KERNELS", raising=False)
     monkeypatch.delitem(sys.modules, build.name, raising=False)
-    got = int8_kernel.kernels()
+    got = kernel_loader.kernels()
     err = capsys.readouterr().err.splitlines()
     assert got.origin == "runtime-built" and got.module.twice(5) == 10, err
     # refused from its bytes, never imported: an imported stale module's pybind11 classes would
@@ -152,4 +164,4 @@ def test_a_stale_installed_module_is_refused_and_built_at_run_time(built, tmp_pa
 
 def test_no_kernels_when_asked(monkeypatch):
     monkeypatch.setenv("FORERUN_NO_KERNELS", "1")
-    assert int8_kernel.load() is None and int8_kernel.origin() == "none (FORERUN_NO_KERNELS=1)"
+    assert kernel_loader.load() is None and kernel_loader.origin() == "none (FORERUN_NO_KERNELS=1)"

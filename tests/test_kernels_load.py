@@ -15,7 +15,8 @@ import shutil
 
 import pytest
 
-from forerun.models import int8_kernel, kernel_key
+from forerun.kernels import loader as kernel_loader
+from forerun.kernels import build_key
 
 CAN_BUILD = platform.machine() in ("x86_64", "AMD64") and bool(shutil.which("c++") or shutil.which("g++"))
 ASKED_FOR_NONE = bool(os.environ.get("FORERUN_NO_KERNELS"))
@@ -39,7 +40,7 @@ def test_doctest():
 
 @pytest.mark.skipif(ASKED_FOR_NONE, reason="FORERUN_NO_KERNELS is set: the run asked for the PyTorch paths")
 def test_the_kernels_load_on_a_machine_that_can_build_them():
-    k = int8_kernel.kernels()
+    k = kernel_loader.kernels()
     if not CAN_BUILD:
         assert k.module is None or k.origin != "none"
         pytest.skip(f"not x86-64 with a C++ compiler ({platform.machine()}): the kernels may be absent here")
@@ -49,12 +50,27 @@ def test_the_kernels_load_on_a_machine_that_can_build_them():
 
 @pytest.mark.skipif(ASKED_FOR_NONE or not CAN_BUILD, reason="needs the kernels built (x86-64, a C++ compiler)")
 def test_the_loaded_module_is_built_from_every_shipped_source():
-    module = int8_kernel.load()
-    sources = kernel_key.sources()
+    module = kernel_loader.load()
+    sources = build_key.sources()
     assert len(sources) >= 6, [s.name for s in sources]  # the build's glob still finds the files
-    assert module.BUILD_SOURCES == kernel_key.sources_digest(kernel_key.read_sources(sources))
+    assert module.BUILD_SOURCES == build_key.sources_digest(build_key.read_sources(build_key.key_files(sources)))
     for source in sources:
         names = bound_names(source.read_text())
         missing = sorted(n for n in names if not hasattr(module, n))
         assert not missing, f"{source.name} binds {missing}, absent from the loaded module"
     assert callable(module.has_vnni) and callable(module.decoder_layer_rows)
+
+
+@pytest.mark.skipif(ASKED_FOR_NONE or not CAN_BUILD, reason="needs the kernels built (x86-64, a C++ compiler)")
+def test_each_precision_is_finished_on_its_backend():
+    """The seam (kernels/backend.py) is chosen once when the model is finished: the quantized
+    precisions on the kernels with their fused ops, float32 on the kernels' attention only,
+    float64 (and every model without the kernels) on plain torch."""
+    from forerun.kernels.backend import CpuKernels, TorchBackend
+    from forerun.llm import LLM
+    from tests.tiny import tiny_model
+
+    for dtype, fused in (("int8", True), ("int4", True), ("float32", False)):
+        backend = LLM(tiny_model(dtype=dtype, hidden_size=64, intermediate_size=128), dtype=dtype).model.backend
+        assert isinstance(backend, CpuKernels) and backend.fused == fused, dtype
+    assert type(tiny_model(dtype="float64").backend) is TorchBackend

@@ -1,6 +1,6 @@
 import torch
 
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv.cache import KVCache, chain_batch
 
 
 def test_chain_batch_mask_is_causal_by_slot_and_pads_right():
@@ -51,3 +51,17 @@ def test_write_prefixes_in_small_chunks_equals_one_forward():
         for row, end in ((0, 11), (1, 3), (2, 6)):
             torch.testing.assert_close(one.k[layer][row, :, :end], chunked.k[layer][row, :, :end])
             torch.testing.assert_close(one.v[layer][row, :, :end], chunked.v[layer][row, :, :end])
+
+
+def test_both_caches_keep_the_one_protocol_and_say_their_dtype():
+    """LLM's row cache and the server's paged pool are the same kind of thing to a model
+    (kv/protocol.py); the backend reads `dtype` to leave a 16-bit cache to torch."""
+    from forerun.kv.paged import PagedKVCache
+    from forerun.kv.protocol import KVStore
+    from tests.tiny import tiny_model
+
+    model = tiny_model(dtype="float32")
+    rows = KVCache(1, 2, 1, 8, 2, torch.float16, "cpu")
+    paged = PagedKVCache(model, rows=2, capacity=20, num_blocks=5, block_size=4)
+    assert isinstance(rows, KVStore) and isinstance(paged, KVStore)
+    assert rows.dtype == torch.float16 and paged.dtype == torch.float32

@@ -10,15 +10,15 @@ import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.errors import ConfigError
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 from forerun.llm import LLM
 from forerun.logprobs import Logprob, token_logprobs
 from forerun.metrics import merge
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 from tests.tiny import tiny_model
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1]]
-KERNELS = int8_kernel.load() is not None
+KERNELS = kernel_loader.load() is not None
 
 
 def test_token_logprobs_are_the_raw_log_softmax_with_ranks():
@@ -117,7 +117,7 @@ def test_a_stop_cut_keeps_one_logprob_per_token():
     llm = LLM(tiny_model(seed=0, dtype="float32"))
     free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30))[0].token_ids
     j = next(i for i in range(3, len(free)) if free[i] not in free[:i])  # its first appearance
-    llm._eos_ids = lambda: frozenset({free[j]})  # an EOS there: the step's later tokens are dropped
+    llm.eos_ids = lambda: frozenset({free[j]})  # an EOS there: the step's later tokens are dropped
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30, logprobs=1),
                        speculative=SpeculativeConfig("ngram", 5, ngram_max=3, ngram_min=1))[0]
     assert out.token_ids == free[: j + 1] and len(out.logprobs) == j + 1 and out.finish_reason == "stop"

@@ -4,7 +4,7 @@ import torch
 
 import transformers
 
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict
 from tests.tiny import assert_full_forward_matches, hf_reference_pair
 

@@ -4,11 +4,12 @@ batch-mates for any number of tokens, and the result is close to the float32 lay
 import pytest
 import torch
 
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 
-pytestmark = pytest.mark.skipif(int8_kernel.load() is None, reason="int8 needs the compiled kernels")
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None, reason="int8 needs the compiled kernels")
 
-from forerun.models.quant import GROUP, WIDE_ROWS, Int8Linear  # noqa: E402
+from forerun.kernels.backend import WIDE_ROWS  # noqa: E402
+from forerun.linears.int8 import GROUP, Int8Linear  # noqa: E402
 
 
 def _layer(n_in=96, n_out=80, bias=False, seed=0):

@@ -24,9 +24,9 @@ import transformers
 
 from forerun.embedded import CACHE_ENV, cache_dir
 from forerun.errors import ModelLoadError
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 from forerun.llm import LLM
-from forerun.models.gguf_convert import (
+from forerun.gguf.convert import (
     _pre_tokenizer, _read_metadata, _tokenizer_config, build_tokenizer, convert_gguf_to_hf,
 )
 from forerun.tokenizer import Tokenizer
@@ -209,8 +209,8 @@ def _real_gguf() -> Path | None:
 @pytest.fixture(scope="module")
 def real_tokenizers():
     """(forerun's Tokenizer from the GGUF's metadata alone, transformers' from the GGUF); ~20 s."""
-    from forerun.models.gguf_convert import _generation_config
-    from forerun.models.gguf_index import open_reader
+    from forerun.gguf.convert import _generation_config
+    from forerun.gguf.index import open_reader
 
     path = _real_gguf()
     if path is None:

@@ -97,7 +97,7 @@ def test_layer_skip_leaves_committed_cache_entries_alone(verifier):
         try:
             job = GenerateJob([PROMPTS[0]], GREEDY, [20], eos_ids=frozenset())
             if spec is not None:
-                job.drafter = verifier._drafter(spec)
+                job.drafter = verifier.drafter_for(spec)
                 job.k = spec.num_speculative_tokens
             seq = generate(verifier.model, job)[0]
         finally:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
 from forerun.serve.request import ServeRequest
 from forerun.serve.scheduler import QueueFull, Scheduler, ServeConfig
 from tests.serve_util import tiny_llm
@@ -40,7 +40,7 @@ def submit(sched, prompt, k, params):
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_greedy_under_concurrency_equals_alone(dtype):
-    if dtype == "int8" and int8_kernel.load() is None:
+    if dtype == "int8" and kernel_loader.load() is None:
         pytest.skip("needs the compiled int8 kernels")
     llm = tiny_llm(dtype)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

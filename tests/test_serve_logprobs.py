@@ -36,7 +36,7 @@ def test_completion_logprobs_equal_the_apis_with_and_without_speculation(server,
         out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, extra_body=extra)
         lp = out.choices[0].logprobs
         assert lp.token_logprobs == [e[t].logprob for e, t in zip(want.logprobs, want.token_ids)]
-        assert lp.tokens == [llm._piece(t) for t in want.token_ids]
+        assert lp.tokens == [llm.token_text(t) for t in want.token_ids]
         assert all(len(top) >= 2 and max(top.values()) >= tok for top, tok in zip(lp.top_logprobs, lp.token_logprobs))
         assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert out.model_extra["forerun"]["drafted"] == 0

@@ -8,8 +8,12 @@ import textwrap
 
 import pytest
 
-from forerun.serve import launch, loadgen, matrix, matrix_cells, matrix_report
-from forerun.serve.llama_peer import LlamaSetup, find_llama_server, llama_argv, llama_configs
+from forerun.bench import launch
+from forerun.bench import loadgen
+from forerun.bench import matrix
+from forerun.bench import matrix_cells
+from forerun.bench import matrix_report
+from forerun.bench.llama_peer import LlamaSetup, find_llama_server, llama_argv, llama_configs
 from tests.serve_util import tiny_server
 
 

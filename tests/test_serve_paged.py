@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.kv_cache import chain_batch, tree_batch
-from forerun.serve.blocks import BlockAllocator, BlockTable
-from forerun.serve.paged_cache import PagedKVCache
+from forerun.kv.cache import chain_batch, tree_batch
+from forerun.kv.blocks import BlockAllocator, BlockTable
+from forerun.kv.paged import PagedKVCache
 from forerun.serve.request import ServeRequest
 from forerun.serve.scheduler import Scheduler, ServeConfig, TooLarge
 from tests.serve_util import tiny_llm

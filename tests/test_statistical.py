@@ -73,7 +73,7 @@ def test_draft_model_sampling_is_exact_with_lookup_guesses(verifier, reference):
     draft = LLM(tiny_model(seed=8, vocab_size=8, logit_scale=1.0))  # one that often draws the guess (seed 7 never)
     spec = SpeculativeConfig("draft_model", 3, draft_model=draft, options={"draft_lookup": 1})
     samples, st = _samples(verifier, spec, seed=41)
-    drafter = verifier._drafter(spec)
+    drafter = verifier.drafter_for(spec)
     assert st.accepted > 0 and st.rejections > 0 and drafter.guessed_tokens > 1000, (st, drafter.guessed_tokens)
     assert chi2_pvalue(samples, reference) > ALPHA
 

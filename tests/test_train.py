@@ -168,7 +168,7 @@ def test_training_time_test_steps_equal_drafting_from_guesses():
     """--unroll: step s of the objective computes, for every column j at once, what drafting
     computes after the true pairs 0..j: the head fed its own guesses, s - 1 deep."""
     from forerun.heads.checkpoint import new_head
-    from forerun.kv_cache import chain_batch
+    from forerun.kv.cache import chain_batch
     from forerun.train.objectives import _unrolled_step, eagle_objective
 
     model = tiny_model(seed=0)

@@ -4,7 +4,7 @@ import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.drafters.ngram import find_continuations, trie
-from forerun.kv_cache import chain_batch, tree_batch
+from forerun.kv.cache import chain_batch, tree_batch
 from forerun.llm import LLM
 from forerun.metrics import merge
 from forerun.sampling import make_generator

@@ -5,7 +5,7 @@ import torch
 
 import dataclasses
 
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 from forerun.models.config import ModelConfig
 from forerun.models.llama import LlamaForCausalLM
 from forerun.models.loader import finish_model

@@ -20,7 +20,7 @@ from forerun.config import SamplingParams
 from forerun.errors import ForerunError
 from forerun.llm import LLM
 from forerun.prompts import SPEC_BENCH_SUBTASKS, Prompt, load_prompts
-from forerun.provenance import Sample, token_pieces
+from forerun.bench.provenance import Sample, token_pieces
 
 SAMPLE_TOKENS = 96  # tokens of each cell's first output kept for the coloured samples
 
@@ -115,7 +115,7 @@ def _pending(run: BenchRun, result: dict) -> list[tuple[Workload, list[Method]]]
 
 def _sample(llm: LLM, category: str, label: str, pair) -> dict:
     n = min(SAMPLE_TOKENS, len(pair.spec_tokens))
-    pieces = token_pieces(llm._decode, pair.spec_tokens[:n]) if llm.tokenizer is not None else [
+    pieces = token_pieces(llm.decode, pair.spec_tokens[:n]) if llm.tokenizer is not None else [
         f"[{t}]" for t in pair.spec_tokens[:n]]
     s = Sample(f"{category} / {label} / {pair.prompt_id}", pieces, pair.spec.origins[:n])
     return {"category": category, "method": label, **s.to_dict()}

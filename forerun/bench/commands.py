@@ -15,9 +15,9 @@ from forerun.errors import ForerunError
 BENCH_SETS = "spec_bench:summarization,spec_bench:qa,humaneval"
 
 
-def add_parsers(sub, common, fmt, runs_dir: str = "forerun-runs"):
-    """bench, advise, drift and quality subparsers; `common` adds the shared model/sampling/drafter
-    options; a command's files go under `runs_dir` unless told."""
+def register(sub, kit) -> None:
+    """bench, advise, drift and quality (cli_args.CommandKit: the shared options, the runs folder)."""
+    fmt, common, runs_dir = kit.fmt, kit.add_common, kit.runs_dir
     b = sub.add_parser("bench", formatter_class=fmt, conflict_handler="resolve",
                        help="plain vs methods x k on prompt sets: JSON, Markdown/HTML report, plots, a verdict")
     common(b)
@@ -41,8 +41,10 @@ def add_parsers(sub, common, fmt, runs_dir: str = "forerun-runs"):
     b.add_argument("--llama-cpp-dir", default=None, help="folder with llama-bench (default: $FORERUN_LLAMA_CPP_BIN)")
     b.add_argument("--draft-gguf", default=None, help="draft GGUF for llama.cpp's draft-model speculation")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(handler=cmd_bench)
     a = sub.add_parser("advise", formatter_class=fmt, help="verdicts per workload from a bench JSON")
     a.add_argument("report", help="a bench.json written by forerun bench")
+    a.set_defaults(handler=cmd_advise)
     d = sub.add_parser("drift", formatter_class=fmt, conflict_handler="resolve",
                        help="does a drafter still pay after the verifier changed? old vs new verifier, same prompts")
     common(d)
@@ -56,6 +58,7 @@ def add_parsers(sub, common, fmt, runs_dir: str = "forerun-runs"):
     d.add_argument("--data-dir", default=None, help="prompt data folder")
     d.add_argument("--limit", type=int, default=3, help="prompts per workload")
     d.add_argument("--out", default=None, help="write the comparison as JSON here")
+    d.set_defaults(handler=cmd_drift)
     q = sub.add_parser("quality", formatter_class=fmt,
                        help="fidelity per precision: perplexity, KL and top-1 agreement vs float32 on a text")
     q.add_argument("--model", default=None, help="model folder, .gguf file, hub id, or embedded name (default: smollm2-135m)")
@@ -68,6 +71,7 @@ def add_parsers(sub, common, fmt, runs_dir: str = "forerun-runs"):
     q.add_argument("--llama-cpp-dir", default=None,
                    help="folder with llama-perplexity: add its estimate on the model's GGUF as a row")
     q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.set_defaults(handler=cmd_quality)
 
 
 def _ks(text: str) -> list:
@@ -191,7 +195,7 @@ def _one(args, method: str, k, **extra):
 
 
 def _cost_curve(verifier) -> dict:
-    from forerun.bench.cost import measure
+    from forerun.cost_curve import measure
 
     print("forerun: measuring the verifier's cost curve (forward time vs tokens scored)...", file=sys.stderr, flush=True)
     tokens = [1, 2, 4, 8, 16, 32, 64]
@@ -203,7 +207,7 @@ def _peers(args, verifier, workloads, specs, methods) -> dict:
     from forerun.llm import LLM
 
     prompts = workloads[0].prompts[: args.peer_limit]
-    texts = [verifier._decode(ids) if verifier.tokenizer is not None else "" for _, ids in prompts]
+    texts = [verifier.decode(ids) if verifier.tokenizer is not None else "" for _, ids in prompts]
     ks = [s.num_speculative_tokens for s in specs if isinstance(s.num_speculative_tokens, int)]
     first_draft = next((s.draft_model for s in specs if s.method == "draft_model" and s.draft_model), None)
     draft_src = LLM(first_draft, dtype="float32", progress=False).source if first_draft else None
@@ -238,7 +242,7 @@ def gguf_for(model: str | None) -> Path | None:
 
 
 def cmd_advise(args) -> int:
-    from forerun.advise import advise, summary_line
+    from forerun.bench.advise import advise, summary_line
 
     path = Path(args.report)
     if not path.is_file():
@@ -251,7 +255,7 @@ def cmd_advise(args) -> int:
 
 
 def cmd_drift(args) -> int:
-    from forerun.drift import compare, report_lines
+    from forerun.bench.drift import compare, report_lines
 
     specs = specs_from(args)
     old_dtype, new_dtype = args.old_dtype or args.dtype, args.new_dtype or args.dtype
@@ -274,7 +278,7 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
     from tqdm import tqdm
 
     from forerun.bench.grid import make_methods, refuse, run_workload, warm_up
-    from forerun.drift import perturb_
+    from forerun.bench.drift import perturb_
     from forerun.llm import LLM
 
     params, _ = configs(_plain(args))
@@ -314,7 +318,7 @@ def cmd_quality(args) -> int:
     text, sources = _quality_text(args.text)
     llama = _llama_run(args.llama_cpp_dir, args.model, torch.get_num_threads()) if args.llama_cpp_dir else None
     ref = LLM(model=args.model, dtype="float32")
-    from forerun.models.f32_linear import to_plain_linears_
+    from forerun.linears.f32 import to_plain_linears_
 
     to_plain_linears_(ref.model)  # the reference scores hundreds of tokens a forward: torch's sgemm
     if args.ctx > ref.max_context:

@@ -24,7 +24,7 @@ import shlex
 from pathlib import Path
 
 from forerun.cache import cache_dir, write_atomic
-from forerun.models import kernel_key
+from forerun.kernels import build_key
 
 RECORD_DIR = "quality"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -34,7 +34,7 @@ KERNEL_DTYPES = ("gguf", "int8", "int4")  # computed by forerun's kernels (float
 def weights_of(source: Path) -> list[Path]:
     """The files a model's weights come from: a converted folder's GGUF, else the folder's
     weight files (sorted); [] when there are none (a folder built in memory)."""
-    from forerun.models.gguf_convert import source_of
+    from forerun.gguf.convert import source_of
 
     gguf = source_of(source)
     if gguf is not None:
@@ -43,8 +43,8 @@ def weights_of(source: Path) -> list[Path]:
 
 
 def kernels_digest() -> str:
-    """The digest of the kernel sources beside this forerun (kernel_key: names and bytes)."""
-    return kernel_key.sources_digest(kernel_key.read_sources(kernel_key.sources()))
+    """The digest of the kernel sources beside this forerun (build_key: names and bytes)."""
+    return build_key.sources_digest(build_key.read_sources(build_key.key_files(build_key.sources())))
 
 
 def weights_ident(source: Path) -> list[list]:

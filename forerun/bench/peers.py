@@ -88,7 +88,7 @@ def _transformers(verifier, setup: PeerSetup, ref: dict) -> list[dict]:
         raise ValueError("the verifier was built in memory: transformers needs a model folder")
     load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()  # noqa: E731
     hf = load(verifier.source)
-    eos = sorted(verifier._eos_ids())
+    eos = sorted(verifier.eos_ids())
     engines = {"transformers plain": {}, f"transformers prompt lookup ({setup.k})": {"prompt_lookup_num_tokens": setup.k}}
     if setup.draft_source is not None:
         engines["transformers assistant model"] = {"assistant_model": load(setup.draft_source)}

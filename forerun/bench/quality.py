@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from forerun.errors import ForerunError
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 
 DEFAULT_SOURCES = ("argparse", "difflib", "textwrap")  # standard-library modules whose source is the default text
 

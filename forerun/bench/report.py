@@ -9,9 +9,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from forerun.advise import advise, summary_line
+from forerun.bench.advise import advise, summary_line
 from forerun.bench import plots
-from forerun.provenance import Sample, html_css, html_legend, html_sample
+from forerun.bench.provenance import Sample, html_css, html_legend, html_sample
 
 PLOTS = {"speedup_by_k.png": plots.speedup_by_k, "acceptance_by_position.png": plots.acceptance_by_position}
 COLUMNS = ["workload", "method", "tok/s", "plain tok/s", "speedup (95% CI)", "verdict", "acceptance",
@@ -44,7 +44,7 @@ def _row(c: dict) -> list[str]:
 
 
 def _advice_lines(result: dict) -> list[str]:
-    from forerun.advise import Advice
+    from forerun.bench.advise import Advice
 
     adv = [Advice(**a) for a in result.get("advice", [])]
     return [summary_line(adv), ""] + [a.text() for a in adv]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 
 
 @dataclass

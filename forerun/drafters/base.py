@@ -13,8 +13,8 @@ from typing import Callable, Protocol
 import torch
 
 from forerun.config import SamplingParams
-from forerun.kv_cache import KVCache
-from forerun.methods import METHODS
+from forerun.kv.cache import KVCache
+from forerun.methods import METHODS, Method
 
 
 @dataclass
@@ -129,7 +129,7 @@ def register(name: str, about: str = "a drafter registered at run time"):
 
     def deco(factory: DrafterFactory) -> DrafterFactory:
         _REGISTRY[name] = factory
-        METHODS.setdefault(name, about)
+        METHODS.setdefault(name, Method("registered", about))
         return factory
 
     return deco

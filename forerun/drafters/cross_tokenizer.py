@@ -18,7 +18,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest
 from forerun.errors import ConfigError
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv.cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
 from forerun.sampling import logits_to_probs, sample
 

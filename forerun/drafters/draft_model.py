@@ -26,7 +26,7 @@ from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.drafters.draft_vocab import for_rows, forget_row, reduced_head, reset_rows
 from forerun.drafters.ngram import find_continuation
 from forerun.errors import ConfigError
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv.cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
 from forerun.sampling import draw, sample_many
 
@@ -261,10 +261,10 @@ NAMED_DRAFT_VOCAB, NAMED_DRAFT_LOOKUP, LARGE_VOCAB = 32768, 1, 65536
 def named_draft_dtype(verifier) -> str:
     """int4 on the CPU where forerun's kernels are built (the fastest drafter measured under
     every verifier precision); else the verifier's dtype (auto for a gguf verifier)."""
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
     if verifier.model.device.type == "cpu" and verifier.dtype in ("gguf", "float32", "int8", "int4") \
-            and int8_kernel.load() is not None:
+            and kernel_loader.load() is not None:
         return "int4"
     return "auto" if verifier.dtype == "gguf" else verifier.dtype
 

@@ -46,7 +46,7 @@ def float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     if hasattr(head, "float_rows"):  # a GGUF linear: those rows' blocks, dequantized
         return head.float_rows(ids)
     if hasattr(head, "u4_rows"):
-        from forerun.models.quant4 import dequantize_groups
+        from forerun.linears.int4 import dequantize_groups
 
         return dequantize_groups(head.u4_rows(ids), head.weight_d[ids], head.weight_m[ids], head.in_features)
     if hasattr(head, "weight_packed"):  # the float32 kernel's [M/16, K, 16]: row j is lane j % 16 of block j // 16
@@ -64,7 +64,7 @@ class ReducedHead(nn.Module):
         if hasattr(head, "select_rows") and dtype in ("gguf", "int4"):  # GGUF blocks: the kept rows' own
             sub = head.select_rows(ids)
             if dtype == "int4":  # int4 of blocks: Q4_K kept as they are, any other type fitted from its values
-                from forerun.models.quant4 import int4_of_blocks
+                from forerun.linears.int4 import int4_of_blocks
 
                 sub = int4_of_blocks(sub)
             self.head = sub
@@ -231,18 +231,18 @@ def head_logits(spec, verifier):
 def _like(linear: nn.Linear, dtype: str) -> nn.Module:
     """The sub-head on the path the draft model's own linears take for its dtype."""
     if dtype == "int8":
-        from forerun.models.quant import Int8Linear
+        from forerun.linears.int8 import Int8Linear
 
         return Int8Linear(linear)
     if dtype == "int4":
-        from forerun.models.quant4 import int4_linear
+        from forerun.linears.int4 import int4_linear
 
         return int4_linear(linear)
-    from forerun.models import int8_kernel
+    from forerun.kernels import loader as kernel_loader
 
-    kernel = int8_kernel.load() if dtype == "float32" else None
+    kernel = kernel_loader.load() if dtype == "float32" else None
     if kernel is not None:
-        from forerun.models.f32_linear import F32RowsLinear
+        from forerun.linears.f32 import F32RowsLinear
 
         return F32RowsLinear(linear, kernel)
     return linear

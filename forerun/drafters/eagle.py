@@ -22,7 +22,7 @@ from forerun.drafters.base import Draft, DraftRequest, HiddenRows, register
 from forerun.drafters.draft_vocab import for_rows, forget_row, reset_rows
 from forerun.drafters.features import FeatureStore
 from forerun.drafters.tree_select import TreeOptions
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv.cache import KVCache, chain_batch
 from forerun.sampling import draw
 
 

@@ -21,7 +21,7 @@ import torch
 
 from forerun.drafters.base import Draft, DraftRequest
 from forerun.drafters.tree_select import reindex, top_nodes
-from forerun.kv_cache import ForwardBatch
+from forerun.kv.cache import ForwardBatch
 
 
 @dataclass

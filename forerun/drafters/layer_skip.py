@@ -14,7 +14,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, DraftRequest, register
 from forerun.errors import ConfigError
-from forerun.kv_cache import KVCache, chain_batch
+from forerun.kv.cache import KVCache, chain_batch
 from forerun.sampling import draw
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from forerun.drafters.base import Draft, DraftRequest, StepFeedback, register
 from forerun.drafters.ngram import trie
 from forerun.errors import ConfigError
-from forerun.kv_cache import KVCache
+from forerun.kv.cache import KVCache
 
 
 @dataclass

@@ -21,7 +21,7 @@ from forerun.drafters.base import Draft, DraftRequest, HiddenRows, register
 from forerun.drafters.draft_vocab import for_rows, forget_row, reset_rows
 from forerun.drafters.features import FeatureStore
 from forerun.drafters.tree_select import TreeOptions, best_first_tree
-from forerun.kv_cache import KVCache
+from forerun.kv.cache import KVCache
 from forerun.sampling import logits_to_probs, sample, sample_many
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from forerun.drafters.base import Draft, DraftRequest, register
-from forerun.kv_cache import KVCache
+from forerun.kv.cache import KVCache
 
 
 def match_ends(arr: np.ndarray, n_max: int) -> list[np.ndarray]:

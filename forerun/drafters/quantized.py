@@ -24,10 +24,10 @@ def quantized_copy(model, bits: int = 8):
         raise ConfigError("the quantized self-draft uses CPU kernels; on an accelerator use draft_dtype bfloat16 with draft_model")
     draft = copy.deepcopy(model)
     if bits == 8:
-        from forerun.models.quant import to_int8_
+        from forerun.linears.int8 import to_int8_
 
         return to_int8_(draft.float()).eval().requires_grad_(False)
-    from forerun.models.quant4 import to_int4_
+    from forerun.linears.int4 import to_int4_
 
     try:
         return to_int4_(draft.float()).eval().requires_grad_(False)

@@ -10,8 +10,9 @@ from pathlib import Path
 from forerun.errors import ForerunError
 
 
-def add_parser(sub, fmt, common):
-    """`eval` and its tasks; `common` adds the shared model / sampling / drafter flags."""
+def register(sub, kit) -> None:
+    """`eval` and its tasks (cli_args.CommandKit: the shared model / sampling / drafter flags)."""
+    fmt, common = kit.fmt, kit.add_common
     e = sub.add_parser("eval", formatter_class=fmt, help="task accuracy: HumanEval pass@1, plain or speculative")
     tasks = e.add_subparsers(dest="task", metavar="TASK", required=True)
     h = tasks.add_parser("humaneval", formatter_class=fmt,
@@ -27,7 +28,7 @@ def add_parser(sub, fmt, common):
                    "(default: <forerun cache>/eval/humaneval-<model>-<dtype>-<method>-<time>)")
     h.add_argument("--json", action="store_true", help="print the report's JSON (with pass@1) instead of a summary")
     h.add_argument("--no-progress", action="store_true", help="no progress bar")
-    h.set_defaults(flag_parser=h)  # errors worded in these flags: main() knows only `eval`'s parser
+    h.set_defaults(flag_parser=h, handler=cmd_eval)  # errors worded in these flags: main() knows only `eval`'s parser
 
 
 def cmd_eval(args) -> int:

@@ -111,7 +111,7 @@ def at_verifier_precision(head: nn.Module, spec, verifier) -> nn.Module:
     a Qwen2.5-1.5B EAGLE head is a 1536-wide decoder layer, 200 MB at float32: about a fifth
     of an int8 verifier forward, where the int8 copy reads a quarter of that. Drafts only:
     verification is untouched, so output stays exact."""
-    from forerun.models.quant import quantize_int8_
+    from forerun.linears.int8 import quantize_int8_
 
     head = head.to(verifier.model.dtype)
     want = spec.options.get("head_dtype", verifier.dtype)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from forerun.kv_cache import ForwardBatch, KVCache
+from forerun.kv.cache import ForwardBatch, KVCache
 from forerun.models.config import ModelConfig
+from forerun.kernels.backend import TorchBackend
 from forerun.models.llama import DecoderLayer, RMSNorm, attention_bias
 from forerun.models.rope import inv_frequencies, rope_cos_sin
 
@@ -50,6 +51,8 @@ class EagleConfig:
 
 class EagleHead(nn.Module):
     kind = "eagle"
+    # Its one layer runs op by op in torch (a head's own cache and shapes; no compiled paths).
+    backend = TorchBackend()
 
     def __init__(self, cfg: EagleConfig):
         super().__init__()
@@ -72,7 +75,7 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([features, embeds], dim=-1))
         rope_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq.to(rope_dtype), x.dtype)
-        x = self.layer(x, cos, sin, batch, cache, attention_bias(batch, x.dtype))
+        x = self.layer(x, cos, sin, batch, cache, attention_bias(batch, x.dtype), self.backend)
         return self.norm(x)
 
 

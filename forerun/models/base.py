@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from forerun.kv_cache import ForwardBatch, KVCache, chain_batch
+from forerun.kernels.backend import TorchBackend
+from forerun.kv.cache import ForwardBatch, KVCache, chain_batch
 
 
 @dataclass
@@ -16,7 +17,17 @@ class ModelOutput:
 
 
 class DecoderBase(nn.Module):
-    """Subclasses define `config`, `model.norm`, `model.embed_tokens`, `lm_head` and forward()."""
+    """Subclasses define `config`, `model.norm`, `model.embed_tokens`, `lm_head` and forward().
+    `backend` (kernels/backend.py) computes attention and the fused ops: plain torch until the
+    loader finishes the model with forerun's kernels (set_backend)."""
+
+    backend = TorchBackend()  # (a class default: every model starts on plain torch)
+
+    def set_backend(self, backend: TorchBackend) -> None:
+        """Compute with `backend` from here on, bound to the linears as they are now (a backend
+        that holds per-model state, the kernels' layer stack, binds it here)."""
+        bind = getattr(backend, "bind", None)
+        self.backend = bind(self) if bind is not None else backend
 
     @property
     def dtype(self) -> torch.dtype:

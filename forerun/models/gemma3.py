@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from forerun.errors import ModelLoadError
-from forerun.kv_cache import ForwardBatch, KVCache
-from forerun.models.config import ModelConfig
+from forerun.kernels.backend import WIDE_ROWS, TorchBackend
+from forerun.kv.cache import ForwardBatch
+from forerun.kv.protocol import KVStore
 from forerun.models.base import DecoderBase, ModelOutput
-from forerun.models.quant import WIDE_ROWS
+from forerun.models.config import ModelConfig
 from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -62,17 +63,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
-        self.masked_attention = None  # the compiled per-query kernel, set by use_chain_attention_kernel
 
-    def forward(self, x, rope, mask, batch: ForwardBatch, cache: KVCache):
+    def forward(self, x, rope, mask, batch: ForwardBatch, cache: KVStore, backend: TorchBackend):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         cache.write(self.layer, batch, k, v)
-        if self.masked_attention is not None and self.cap is None and q.dtype == torch.float32:
-            return self.o_proj(self._per_query(q, mask, batch, cache).transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        kernel = backend.masked_kernel(q, cache) if self.cap is None else None
+        if kernel is not None:
+            return self.o_proj(self._per_query(kernel, q, mask, batch, cache).transpose(1, 2).reshape(B, T, self.nh * self.hd))
         keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
         if self.cap is None:
             out = F.scaled_dot_product_attention(
@@ -82,7 +83,7 @@ class Attention(nn.Module):
             out = self._capped_attention(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # out: (B, nh, T, hd)
 
-    def _per_query(self, q, mask, batch: ForwardBatch, cache: KVCache):
+    def _per_query(self, kernel, q, mask, batch: ForwardBatch, cache: KVStore):
         """Attention computed so that a row's bits never depend on its batch-mates or on how
         many queries it scores: a row with fewer than WIDE_ROWS new tokens goes through the
         per-query kernel under its mask (sliding windows included); a longer one (a prompt)
@@ -91,7 +92,7 @@ class Attention(nn.Module):
         lengths = batch.lengths  # None for a token tree: every node through the kernel
         long = [] if lengths is None else [b for b, n in enumerate(lengths) if n >= WIDE_ROWS]
         if not long:
-            return self.masked_attention(q, k_all, v_all, batch.row_index, mask[:, 0], self.scale)
+            return kernel(q, k_all, v_all, batch.row_index, mask[:, 0], self.scale)
         out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)
         for b in long:
             row, n = batch.rows[b], lengths[b]
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         short = [b for b, n in enumerate(lengths) if n < WIDE_ROWS]
         if short:
             idx = torch.tensor(short, device=q.device)
-            out[idx] = self.masked_attention(q[idx], k_all, v_all, batch.row_index[idx], mask[idx, 0], self.scale)
+            out[idx] = kernel(q[idx], k_all, v_all, batch.row_index[idx], mask[idx, 0], self.scale)
         return out
 
     def _capped_attention(self, q, keys, values, mask):
@@ -145,8 +146,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
 
-    def forward(self, x, rope, mask, batch, cache):
-        attended = self.self_attn(self.input_layernorm(x), rope, mask, batch, cache)
+    def forward(self, x, rope, mask, batch, cache, backend: TorchBackend):
+        attended = self.self_attn(self.input_layernorm(x), rope, mask, batch, cache, backend)
         x = x + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -191,16 +192,6 @@ class Gemma3ForCausalLM(DecoderBase):
         self.register_buffer("local_inv_freq", None, persistent=False)
         self.init_rope()
 
-    def use_chain_attention_kernel(self, kernel) -> None:
-        """Attention of short rows one query at a time under its mask (the compiled kernel,
-        float32 K/V): scoring k drafted tokens gives each the bits plain decoding would."""
-        for layer in self.model.layers:
-            layer.self_attn.masked_attention = getattr(kernel, "attend_masked", None)
-
-    def use_int8_kernels(self, kernel) -> None:
-        """For the int8 and int4 models: the per-query attention (Gemma's norms stay in torch)."""
-        self.use_chain_attention_kernel(kernel)
-
     def init_rope(self):
         """(Re)compute the RoPE frequencies; a model built on the meta device needs this once loaded."""
         c = self.config
@@ -208,7 +199,7 @@ class Gemma3ForCausalLM(DecoderBase):
         self.local_inv_freq = inv_frequencies(c.head_dim, c.rope_local_base_freq, None).to(self.device)
 
     def forward(
-        self, batch: ForwardBatch, cache: KVCache, logits_at: torch.Tensor | str | None = "all",
+        self, batch: ForwardBatch, cache: KVStore, logits_at: torch.Tensor | str | None = "all",
         skip: frozenset[int] = frozenset(),
     ) -> ModelOutput:
         """The DecoderBase.forward contract."""
@@ -218,7 +209,7 @@ class Gemma3ForCausalLM(DecoderBase):
         ropes, masks = self._ropes(batch, x.dtype), self._masks(batch)
         for i, layer in enumerate(self.model.layers):
             if i not in skip:
-                x = layer(x, ropes[layer.kind], masks[layer.kind], batch, cache)
+                x = layer(x, ropes[layer.kind], masks[layer.kind], batch, cache, self.backend)
         hidden = self.model.norm(x)
         logits = self.head(hidden, logits_at)
         return ModelOutput(hidden, None if logits is None else softcap(logits, self.config.final_logit_softcapping))

@@ -13,8 +13,8 @@ from forerun.models.config import GEMMA3, LLAMA_FAMILY, ModelConfig
 from forerun.models.gemma3 import Gemma3ForCausalLM
 from forerun.models.llama import LlamaForCausalLM, fuse_hf_state_dict
 from forerun.models.rope import inv_frequencies
+from forerun.precision import Precision
 
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # ModelConfig.model_type -> the decoder class that runs it.
 MODEL_CLASSES = {**dict.fromkeys(LLAMA_FAMILY, LlamaForCausalLM), GEMMA3: Gemma3ForCausalLM}
 
@@ -43,7 +43,7 @@ def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
 
 def _converted_gguf(path: Path, progress: bool) -> Path:
     from forerun.embedded import cache_dir
-    from forerun.models.gguf_convert import convert_gguf_to_hf
+    from forerun.gguf.convert import convert_gguf_to_hf
 
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -85,25 +85,36 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def resolve_dtype(dtype: str, folder: Path | None, device="cpu") -> str:
-    """"auto" -> "gguf" for a folder converted from a GGUF file whose linears are quantized in
-    a type the native kernels read, on the CPU with the kernels built; else "float32". Other
-    dtypes are returned as they are."""
-    check_dtype(dtype)
-    if dtype != "auto":
+def resolve_precision(dtype: str | Precision, folder: Path | None, device="cpu") -> Precision:
+    """The precision `dtype` names for `folder` on `device`, resolved once: "auto" -> "gguf" for a
+    folder converted from a GGUF file whose linears are quantized in a type the native kernels
+    read, on the CPU with the kernels built; else "float32". Other dtypes are kept as they are."""
+    if isinstance(dtype, Precision):
         return dtype
-    if folder is None or torch.device(device).type != "cpu":
-        return "float32"
-    from forerun.models import int8_kernel
-    from forerun.models.gguf_native import quantized_source
+    check_dtype(dtype)
+    cpu = torch.device(device).type == "cpu"
+    kernel = None
+    if cpu:
+        from forerun.kernels import loader as kernel_loader
 
-    kernel = int8_kernel.load()
-    return "gguf" if kernel is not None and hasattr(kernel, "gguf_rows") and quantized_source(folder) else "float32"
+        kernel = kernel_loader.load()
+    blocks = False
+    if folder is not None and cpu and kernel is not None and hasattr(kernel, "gguf_rows"):
+        from forerun.gguf.place import quantized_source
+
+        blocks = quantized_source(folder)
+    name = dtype if dtype != "auto" else ("gguf" if blocks else "float32")
+    return Precision(name, str(device), kernels=kernel is not None, gguf_blocks=blocks)
+
+
+def resolve_dtype(dtype: str, folder: Path | None, device="cpu") -> str:
+    """resolve_precision's name: "auto" -> "gguf" or "float32"; others as they are."""
+    return resolve_precision(dtype, folder, device).name
 
 
 def ensure_float_weights(folder: Path) -> None:
     """A converted GGUF folder holds no float32 weights until a float precision first needs them."""
-    from forerun.models.gguf_convert import source_of, write_weights
+    from forerun.gguf.convert import source_of, write_weights
 
     source = source_of(folder)
     if source is not None and not any(folder.glob("*.safetensors")):
@@ -113,27 +124,29 @@ def ensure_float_weights(folder: Path) -> None:
         write_weights(folder, source)
 
 
-def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The decoder class MODEL_CLASSES names for the folder's config.json, loaded and finished."""
-    dtype = resolve_dtype(dtype, folder, device)
-    # gguf: every linear on the file's own blocks (models/gguf_native.py); int8 / int4 of such a
-    # file: quantized from those blocks, one matrix at a time (no float32 copy, on disk or in memory)
-    if dtype == "gguf" or (dtype in ("int8", "int4") and _from_blocks(folder, device)):
-        from forerun.models.gguf_native import native_source, place_native_
+def load_model(folder: Path, dtype: str | Precision = "auto", device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The decoder class MODEL_CLASSES names for the folder's config.json, loaded and finished
+    at `dtype` (a Precision, or a dtype string resolved here once)."""
+    precision = resolve_precision(dtype, folder, device)
+    dtype, device = precision.name, precision.device
+    # gguf: every linear on the file's own blocks (linears/gguf.py, placed by gguf/place.py); int8 / int4 of such
+    # a file: quantized from those blocks, one matrix at a time (no float32 copy, on disk or in memory)
+    if dtype == "gguf" or precision.from_blocks:
+        from forerun.gguf.place import native_source, place_native_
 
         source = native_source(folder, device)
         model = _on_meta(folder)
         place_native_(model, source)  # a tied head reads the embedding's blocks
         if dtype != "gguf":
             requantize_(model, dtype)
-        return finish_model(model, dtype, device)
+        return finish_model(model, precision, device)
     model = _on_meta(folder)
     cfg = model.config
     ensure_float_weights(folder)
     state = read_state_dict(folder)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    target = TORCH_DTYPES.get(dtype, torch.float32)
+    target = precision.float_dtype
     # Copies, not views of the file: safetensors maps the file, and tensors kept as they are
     # (the embedding table, norms, every float32 weight) would stay page cache, which the kernel
     # reclaims when they sit cold. Then a lookup of rarely used embedding rows reads the disk:
@@ -151,30 +164,22 @@ def load_model(folder: Path, dtype: str = "auto", device: str | torch.device = "
         raise ModelLoadError(f"weights in {folder} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return finish_model(model, dtype, device)
+    return finish_model(model, precision, device)
 
 
 def requantize_(model: torch.nn.Module, dtype: str) -> None:
-    """Each GGUFLinear of `model` (gguf_native) replaced by its int8 / int4 quantization, one at a
+    """Each GGUFLinear of `model` (linears/gguf.py) replaced by its int8 / int4 quantization, one at a
     time: only one matrix is ever dequantized to float32 (ggml's dequantization: the values the
     float32 model holds, so int8 equals quantizing that model). int4 keeps the file's Q4_K blocks
     as they are (quant4.int4_of_blocks). The embedding keeps its blocks."""
-    from forerun.models.gguf_native import GGUFLinear, set_module
+    from forerun.linears.gguf import GGUFLinear
+    from forerun.linears.swap import swap_linears
 
     if dtype == "int8":
-        from forerun.models.quant import Int8Linear as make
+        from forerun.linears.int8 import Int8Linear as make
     else:
-        from forerun.models.quant4 import int4_of_blocks as make
-    for name, module in list(model.named_modules()):
-        if isinstance(module, GGUFLinear):
-            set_module(model, name, make(module))
-
-
-def _from_blocks(folder: Path, device) -> bool:
-    """Whether int8 / int4 for `folder` are quantized straight from its GGUF file's blocks (one
-    matrix dequantized at a time: the same values as the float32 copy, which is then never
-    written): a folder converted from a GGUF the native kernels read, on the CPU."""
-    return resolve_dtype("auto", folder, device) == "gguf"
+        from forerun.linears.int4 import int4_of_blocks as make
+    swap_linears(model, lambda child: make(child) if isinstance(child, GGUFLinear) else None)
 
 
 def _on_meta(folder: Path) -> torch.nn.Module:
@@ -184,8 +189,10 @@ def _on_meta(folder: Path) -> torch.nn.Module:
         return MODEL_CLASSES[cfg.model_type](cfg)
 
 
-def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
-    """Place, quantise; the common tail of every way of building a model (each ties its own head)."""
+def finish_model(model: torch.nn.Module, dtype: str | Precision, device) -> torch.nn.Module:
+    """Place, quantise, choose the backend; the common tail of every way of building a model
+    (each ties its own head)."""
+    dtype = str(dtype)
     cfg = model.config
     # Built on the meta device, the RoPE buffers hold no data yet: compute them here.
     if isinstance(model, LlamaForCausalLM):
@@ -195,26 +202,23 @@ def finish_model(model: torch.nn.Module, dtype: str, device) -> torch.nn.Module:
     model = model.to(device)
     if dtype in ("int8", "int4") and torch.device(device).type != "cpu":
         raise ModelLoadError(f"dtype {dtype} is a CPU path; use bfloat16 on an accelerator")
-    if dtype == "int8":
-        from forerun.models.quant import to_int8_
+    if dtype in ("int8", "int4"):
+        from forerun.linears.int4 import to_int4_
+        from forerun.linears.int8 import to_int8_
 
-        to_int8_(model)
-    elif dtype == "int4":
-        from forerun.models.quant4 import to_int4_
-
-        try:
-            to_int4_(model)
+        try:  # (no fallback without the kernels: refused with the reason)
+            (to_int8_ if dtype == "int8" else to_int4_)(model)
         except RuntimeError as e:
             raise ModelLoadError(str(e)) from None
-    elif dtype == "gguf" and hasattr(model, "use_int8_kernels"):  # per-query chain attention: a row's bits never depend on its batch-mates
-        from forerun.models import int8_kernel
+    elif dtype == "gguf":  # per-query chain attention: a row's bits never depend on its batch-mates
+        from forerun.linears.int8 import finish_on_kernels_
 
-        model.use_int8_kernels(int8_kernel.load())  # llama: RMSNorms folded into the linears, a layer in one call
+        finish_on_kernels_(model)  # llama: RMSNorms folded into the linears, a layer in one call
     elif dtype == "float32" and torch.device(device).type == "cpu":
-        from forerun.models import int8_kernel
-        from forerun.models.f32_linear import use_f32_kernels_
+        from forerun.kernels import loader as kernel_loader
+        from forerun.linears.f32 import use_f32_kernels_
 
-        kernel = int8_kernel.load()
+        kernel = kernel_loader.load()
         if kernel is not None:  # else torch's sgemm: same function, not batch-invariant
             use_f32_kernels_(model, kernel)
     return model.eval().requires_grad_(False)

@@ -110,7 +110,7 @@ async def _echo(st, body, prompt, loop) -> Echo | None:
     entries = None
     if body.logprobs is not None:
         entries = await loop.run_in_executor(None, st.llm.score_prompt, ids, body.logprobs)
-    return Echo(ids, text, entries, st.llm._piece)
+    return Echo(ids, text, entries, st.llm.token_text)
 
 
 def _sink(loop, queue: asyncio.Queue):

@@ -1,4 +1,18 @@
-"""The serve-only CLI flags (no imports: `forerun --help` stays light)."""
+"""`forerun serve`'s parser and its serve-only flags (no imports: `forerun --help` stays light)."""
+
+
+def register(sub, kit) -> None:
+    """`serve` (cli_args.CommandKit): the shared model / sampling / drafter flags, then the server's."""
+    v = sub.add_parser("serve", formatter_class=kit.fmt, help="OpenAI-compatible HTTP server: continuous batching + speculation")
+    kit.add_common(v)
+    add_arguments(v)
+    v.set_defaults(handler=_serve)
+
+
+def _serve(args) -> int:
+    from forerun.serve.main import cmd_serve  # (imports fastapi and torch: only when serving)
+
+    return cmd_serve(args)
 
 
 def add_arguments(p) -> None:

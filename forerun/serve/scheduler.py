@@ -25,8 +25,8 @@ from forerun.errors import ForerunError
 from forerun.logprobs import with_text
 from forerun.sampling import make_generator
 from forerun.serve.batch_k import BatchK
-from forerun.serve.blocks import BlockAllocator, BlockTable
-from forerun.serve.paged_cache import PagedKVCache
+from forerun.kv.blocks import BlockAllocator, BlockTable
+from forerun.kv.paged import PagedKVCache
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.step import Live, step_all
 from forerun.streaming import TextStream
@@ -46,7 +46,7 @@ class ServeConfig:
     max_len: int = 2048  # prompt + generated tokens per sequence
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # None: enough for every row at max_len
-    paged: bool = True  # K/V stored in the blocks (paged_cache.py), else in rows of max_len slots
+    paged: bool = True  # K/V stored in the blocks (kv/paged.py), else in rows of max_len slots
     max_queue: int = 64  # waiting requests beyond which submit() raises QueueFull
     batch_aware: bool = True  # pick k (0 included) per batch size from measured throughput
 
@@ -56,7 +56,7 @@ class Scheduler:
         self.llm, self.model, self.cfg, self.metrics = llm, llm.model, cfg, metrics
         self.spec = spec if spec is not None and spec.enabled else None
         self.k_max = self.spec.k_max if self.spec else 0
-        self.drafter = llm._drafter(self.spec) if self.spec else None
+        self.drafter = llm.drafter_for(self.spec) if self.spec else None
         nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(self.k_max) if self.drafter else 0
         self.capacity = cfg.max_len + nodes + 1
         per_row = -(-self.capacity // cfg.block_size)
@@ -68,7 +68,7 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.start(cfg.max_batch, self.capacity, self.cache)
         self.batch_k = BatchK(self.k_max) if self.spec and cfg.batch_aware else None
-        self.eos_ids = llm._eos_ids()
+        self.eos_ids = llm.eos_ids()
         self.free_rows = list(range(cfg.max_batch - 1, -1, -1))
         self.waiting: collections.deque[ServeRequest] = collections.deque()
         self.running: dict[int, Live] = {}  # row -> live sequence
@@ -162,8 +162,8 @@ class Scheduler:
             seq.logprobs, seq.top_logprobs = [], req.params.logprobs
         self.sync_table(row, table.blocks)
         emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated), logprobs=_new_logprobs(live)))  # noqa: E731
-        stream = TextStream(self.llm._decode, req.params.stop, emit)
-        live = Live(req, seq, table, stream, time.perf_counter(), piece=self.llm._piece)
+        stream = TextStream(self.llm.decode, req.params.stop, emit)
+        live = Live(req, seq, table, stream, time.perf_counter(), piece=self.llm.token_text)
         return live
 
     def _step(self) -> None:

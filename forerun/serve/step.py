@@ -14,9 +14,9 @@ import torch
 
 from forerun import engine
 from forerun.sampling import make_generator
-from forerun.serve.blocks import BlockTable
+from forerun.kv.blocks import BlockTable
 from forerun.serve.request import Event, ServeRequest
-from forerun.streaming import TextStream, stop_index
+from forerun.streaming import TextStream, hits_stop
 
 
 @dataclass
@@ -130,9 +130,5 @@ def _step_group(sched, group: list[Live], row_k: RowK) -> None:
 
 
 def _stopped(sched, lv: Live, generated: list[int]) -> bool:
-    stops = lv.req.params.stop
-    if not stops:
-        return False
-    tail = 4 * max(len(s) for s in stops) + 8  # tokens enough to spell any stop string
-    return stop_index(sched.llm._decode(generated[-tail:]), stops) is not None
+    return hits_stop(sched.llm.decode, generated, lv.req.params.stop)
 

@@ -35,7 +35,7 @@ def add_tokenizer_routes(app: FastAPI, llm, limits: Limits) -> None:
                 text = llm.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
                 ids = llm.tokenizer.encode(text, add_special_tokens=False)  # the template spells its specials
             else:
-                llm._need_tokenizer()
+                llm.require_tokenizer()
                 ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except ForerunError as e:
             raise ApiError(400, str(e), param="messages" if body.messages is not None else "prompt") from e

@@ -39,8 +39,9 @@ HELP = {
 }
 
 
-def add_parser(sub, fmt) -> None:
-    t = sub.add_parser("train", formatter_class=fmt, help="train a Medusa, EAGLE or DFlash-style block draft head for a verifier")
+def register(sub, kit) -> None:
+    """`train` (cli_args.CommandKit)."""
+    t = sub.add_parser("train", formatter_class=kit.fmt,  help="train a Medusa, EAGLE or DFlash-style block draft head for a verifier")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "method":
@@ -60,6 +61,7 @@ def add_parser(sub, fmt) -> None:
         else:
             kind = str if f.type in ("str", "str | None") else {"int": int, "float": float}[f.type]
             t.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
+    t.set_defaults(handler=cmd_train)
 
 
 def cmd_train(args) -> int:

@@ -17,8 +17,9 @@ from pathlib import Path
 from forerun.errors import ConfigError
 
 
-def add_parser(sub, fmt) -> None:
-    d = sub.add_parser("distill", formatter_class=fmt,
+def register(sub, kit) -> None:
+    """`distill` (cli_args.CommandKit)."""
+    d = sub.add_parser("distill", formatter_class=kit.fmt,
                        help="self-distillation data: the verifier answers requests built from --data (JSONL for `forerun train`)")
     d.add_argument("--model", default=None, help="the verifier (model folder, .gguf, hub id or embedded name)")
     d.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "int8", "int4"),
@@ -34,6 +35,7 @@ def add_parser(sub, fmt) -> None:
     d.add_argument("--general-share", type=float, default=0.25, help="share of everyday requests (stories, tips, emails) over a fixed topic list")
     d.add_argument("--seed", type=int, default=0, help="seed for the requests and the sampling")
     d.add_argument("--max-minutes", type=float, default=None, help="stop after this long (rerun to continue)")
+    d.set_defaults(handler=cmd_distill)
 
 
 def done_rows(path: Path) -> int:

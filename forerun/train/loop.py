@@ -72,7 +72,7 @@ def _dataset(cfg: TrainConfig, llm, out: Path):
 
     if llm.tokenizer is None:
         raise ConfigError("training reads text: the verifier needs a tokenizer")
-    eos = min(llm._eos_ids()) if llm._eos_ids() else 0
+    eos = min(llm.eos_ids()) if llm.eos_ids() else 0
     encode = functools.partial(llm.tokenizer.encode, add_special_tokens=False)
     chunks = data.token_chunks(cfg.data, encode, eos, cfg.seq_len, cfg.max_tokens, cfg.seed)
     train_tok, held_tok = data.split(chunks, cfg.eval_chunks, cfg.seed)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from forerun.kv_cache import ForwardBatch, chain_batch
+from forerun.kv.cache import ForwardBatch, chain_batch
 
 EAGLE_CE_WEIGHT = 0.1
 DFLASH_STRIDE = 3  # anchors per chunk: every third position (neighbours share most of their context)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from forerun.cache import write_atomic
-from forerun.kv_cache import chain_batch
+from forerun.kv.cache import chain_batch
 
 FEATURES = "features.safetensors"
 

@@ -1,6 +1,6 @@
 """The packed GGUF kernel's arithmetic rate with its weights in cache, by tokens per call.
 
-    PYTHONPATH=. python scripts/packed_peak.py [--threads 1] [--tokens 1,2,4,8]
+    PYTHONPATH=. python forerun/kernels/microbench/packed_peak.py [--threads 1] [--tokens 1,2,4,8]
 
 A decode step streams every weight once: at one token the kernel waits on memory, at k + 1
 tokens it also has (k + 1) x the dot products to do. This times gguf_packed_rows on a Q4_K matrix
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from forerun.models import int8_kernel
-from forerun.models.gguf_native import NATIVE_TYPES, Q4_K
+from forerun.kernels import loader as kernel_loader
+from forerun.linears.gguf import NATIVE_TYPES, Q4_K
 
 BYTES_PER_WEIGHT = NATIVE_TYPES[Q4_K][1] / NATIVE_TYPES[Q4_K][0]  # a Q4_K block: 256 weights in 144 bytes
 
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     rows, cols = 1024, 1536
     print(f"packed Q4_K, {rows - 16} x {cols} in cache, {args.threads} thread(s), VNNI: {kernel.gguf_packed_vnni()}")
     for tokens in (int(t) for t in args.tokens.split(",")):

@@ -1,7 +1,7 @@
 """Issue 9's serving table in one command: `forerun serve` in each configuration, and
 optionally llama.cpp's `llama-server` on the same GGUF, under 1, 4 and 8 concurrent clients.
 
-    python -m forerun.serve.matrix --model smollm2-135m --method ngram --k 5 --clients 1,4,8 --out DIR
+    python -m forerun.bench.matrix --model smollm2-135m --method ngram --k 5 --clients 1,4,8 --out DIR
 
 Each forerun configuration is its own server process (`python -m forerun.cli serve` on a free
 loopback port, OMP_NUM_THREADS=--threads, --max-batch = the most clients):
@@ -9,12 +9,12 @@ loopback port, OMP_NUM_THREADS=--threads, --max-batch = the most clients):
   batch-aware  --method M --k K: the server picks k <= K per batch size from measured tokens/s
   off          --method none: a server without speculation (no drafter loaded), plain decoding
 llama-server runs once per configuration and concurrency N, with --parallel N slots
-(llama_peer.py: plain, and its counterpart of forerun's method).
+(bench/llama_peer.py: plain, and its counterpart of forerun's method).
 
 Per server: each prompt the load will use is first run alone, one at a time (the greedy
 reference, and a warm-up); then per concurrency, loadgen's clients (every request greedy,
 streamed); KV blocks in use before the load, at its peak and once the server is idle again
-(matrix_cells.py). A request is identical when its text equals its prompt's text alone. Results go to
+(bench/matrix_cells.py). A request is identical when its text equals its prompt's text alone. Results go to
 DIR/matrix.json (after every cell) and DIR/matrix.md; servers' logs to DIR/logs/.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import httpx
 
-from forerun.serve.llama_peer import LlamaSetup, find_llama_server, llama_configs
-from forerun.serve.matrix_cells import CONFIGS, forerun_cells, llama_cells
-from forerun.serve.matrix_report import kv_text, label, markdown
+from forerun.bench.llama_peer import LlamaSetup, find_llama_server, llama_configs
+from forerun.bench.matrix_cells import CONFIGS, forerun_cells, llama_cells
+from forerun.bench.matrix_report import kv_text, label, markdown
 
 NOTES = ("forerun off: a server started with --method none (no drafter). Identical: the request's text equals its "
          "prompt's text run alone on the same server. KV blocks: in use before the load / at its peak (/health "
@@ -88,7 +88,7 @@ def llama_setup(args) -> LlamaSetup | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m forerun.serve.matrix", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m forerun.bench.matrix", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="as forerun serve's --model; an embedded name or .gguf for llama-server")
     p.add_argument("--dtype", default="float32", help="forerun's verifier precision")

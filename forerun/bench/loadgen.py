@@ -1,9 +1,9 @@
 """A small load generator for a running OpenAI-style server (`forerun serve`, or llama.cpp's
 `llama-server`): C concurrent streaming chat clients, each sending R greedy requests one after
-another; throughput and per-request latency (p50/p95). `forerun.serve.matrix` drives it over
+another; throughput and per-request latency (p50/p95). `forerun.bench.matrix` drives it over
 server configurations; alone it measures a server that is already running:
 
-    python -m forerun.serve.loadgen --url http://127.0.0.1:8000 --clients 1,4,8 --speculative server,none
+    python -m forerun.bench.loadgen --url http://127.0.0.1:8000 --clients 1,4,8 --speculative server,none
 
 Client i's j-th request is PROMPTS[(i + j) % len(PROMPTS)], so every record carries its prompt
 index (`prompt`) and its text, which is how greedy identity under concurrency is checked.
@@ -99,7 +99,7 @@ def summarize(records: list[dict], wall: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m forerun.serve.loadgen", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m forerun.bench.loadgen", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--clients", default="1,4,8", help="comma-separated concurrency levels")
     p.add_argument("--per-client", type=int, default=2, help="requests each client sends, one after another")

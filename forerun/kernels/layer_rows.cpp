@@ -7,6 +7,8 @@
 // with the RMSNorms already folded into the qkv and gate_up kernels (absorb_norm). Every op is
 // the one the Python layer calls (the same kernels, silu_mul_rows, an IEEE add for each
 // residual), so the bits are the op-by-op path's: tests/test_int8_identity.py checks it.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,20 +18,8 @@
 #include <immintrin.h>
 #endif
 
-torch::Tensor int8_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias,
-                        torch::Tensor norm_w, double eps);
-torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
-                        torch::Tensor norm_w, double eps, int64_t M);
-torch::Tensor gguf_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
-                        torch::Tensor bias);  // gguf_rows.cpp
-torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
-                               std::vector<int64_t> rows, torch::Tensor bias);  // gguf_packed_rows.cpp
-torch::Tensor rms_norm_rows(torch::Tensor x_in, torch::Tensor w, double eps);  // int8_rows.cpp
-torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                                torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale);
-
-// One Int8Linear / Int4Linear / GGUFLinear's kernel and its arguments, bound once (quant.py,
-// quant4.py, gguf_native.py). int8: a = w_scale (b unused, empty); int4: a = d, b = m (their
+// One Int8Linear / Int4Linear / GGUFLinear's kernel and its arguments, bound once (linears/int8.py,
+// linears/int4.py, linears/gguf.py). int8: a = w_scale (b unused, empty); int4: a = d, b = m (their
 // kernels' argument order). gguf: the parts, their types and row counts; the RMSNorm that
 // feeds it (if any) runs first as rms_norm_rows, as GGUFLinear.forward calls it.
 struct KernelLinear {

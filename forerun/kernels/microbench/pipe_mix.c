@@ -1,11 +1,11 @@
 /* Which AVX-512 instructions share a pipe with vpdpbusd: the bound on the K-quant kernels.
 
-    gcc -O2 -mavx512f -mavx512bw -mavx512vnni scripts/pipe_mix.c -o /tmp/pipe_mix && /tmp/pipe_mix
+    gcc -O2 -mavx512f -mavx512bw -mavx512vnni forerun/kernels/microbench/pipe_mix.c -o /tmp/pipe_mix && /tmp/pipe_mix
 
 Each line times a loop of 8 independent 512-bit vpdpbusd (64 multiply-accumulates each) plus
 one or two of another instruction on other registers. Where the extra instructions cost
 nothing, they run beside vpdpbusd; where each adds a cycle, they take its pipe. The packed GGUF
-kernel (models/gguf_packed_rows.cpp) issues 64 vpdpbusd per token and Q4_K block of 16 rows,
+kernel (kernels/gguf_packed_rows.cpp) issues 64 vpdpbusd per token and Q4_K block of 16 rows,
 plus, on the same pipe, a vpmulld per 32-value sub-block (its 6-bit scale), four vpdpwssd (the
 minimums) and four float multiplies: 80 cycles for 64, so 8 tokens at once can reach at most
 80% of vpdpbusd's rate. One core, nothing else running; ns per loop of 8 vpdpbusd.

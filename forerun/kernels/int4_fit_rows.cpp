@@ -21,6 +21,8 @@
 // float16 grid comes back exactly (its min-max grid has err 0), and no group is fitted worse
 // than min-max. Each group's arithmetic is fixed (sums in 16 lanes, then the lanes pairwise, in
 // the AVX512 loop and the scalar one alike), so the result depends on neither threads nor build.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -152,7 +154,7 @@ void fit_group(const float* x, int64_t n, uint8_t* u_out, uint16_t* d_out, uint1
 // error among the rounded ratio and its neighbours (+-1, rounded first: ties keep it) is kept.
 // A block already on a Q4_K grid comes back byte for byte when each sub-block's min-max line is
 // its own (it uses levels 0 and 15) and its largest sc and mn are 63 (as ggml writes them); a
-// GGUF's blocks often leave a level unused, so int4 of a GGUF keeps them instead (quant4.py).
+// GGUF's blocks often leave a level unused, so int4 of a GGUF keeps them instead (linears/int4.py).
 void fit_q4k(const float* x, uint8_t* out) {
   constexpr int64_t SUB = 32, NSUB = 8;
   float s[NSUB], mn[NSUB], smax = 0.f, mmax = 0.f;

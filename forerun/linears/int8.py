@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
+from forerun.kernels.backend import choose_backend
+from forerun.linears.swap import swap_linears
 
 GROUP = 64  # activation inputs per scale (the kernel's GROUP)
-WIDE_ROWS = 64  # chains of fewer new tokens take the per-query attention kernels (models/llama.py)
 
 
 class Int8Linear(nn.Module):
@@ -38,7 +39,7 @@ class Int8Linear(nn.Module):
 
     def _build_kernels(self):
         """The kernel's copy of the weights (an opaque layout: rebuilt, not copied or pickled)."""
-        kernel = int8_kernel.load()
+        kernel = kernel_loader.load()
         if kernel is None:
             raise RuntimeError("int8 needs forerun's compiled kernel, which could not be built here "
                                "(see the warning above); use float32")
@@ -103,21 +104,25 @@ def pack_weight(w8: torch.Tensor) -> torch.Tensor:
 
 
 def to_int8_(model: nn.Module) -> nn.Module:
-    """The int8 model: every linear quantised, then the model's own kernel wiring where it
-    has one (LlamaForCausalLM.use_int8_kernels: norms folded, per-query chain attention)."""
+    """The int8 model: every linear quantised, then finished on the kernels (finish_on_kernels_)."""
     quantize_int8_(model)
-    if hasattr(model, "use_int8_kernels"):
-        model.use_int8_kernels(int8_kernel.load())
+    return finish_on_kernels_(model)
+
+
+def finish_on_kernels_(model: nn.Module) -> nn.Module:
+    """An int8 / int4 / gguf model computed by the kernels: its norms folded into the linears
+    they feed where the model can (LlamaForCausalLM.fold_norms), and the kernels' backend with
+    the fused ops (kernels/backend.py: per-query chain attention, one-call layers)."""
+    if hasattr(model, "fold_norms"):
+        model.fold_norms()
+    if hasattr(model, "set_backend"):
+        model.set_backend(choose_backend(kernel_loader.load(), fused=True))
     return model
 
 
 def quantize_int8_(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear in place (the LM head included: it is the largest GEMM)."""
-    from forerun.models.f32_linear import F32RowsLinear
+    from forerun.linears.f32 import F32RowsLinear
 
-    for name, child in model.named_children():
-        if isinstance(child, (nn.Linear, F32RowsLinear)):  # (a float32 model's kernel linears too)
-            setattr(model, name, Int8Linear(child))
-        else:
-            quantize_int8_(child)
-    return model
+    # (a float32 model's kernel linears too)
+    return swap_linears(model, lambda c: Int8Linear(c) if isinstance(c, (nn.Linear, F32RowsLinear)) else None)

@@ -41,6 +41,8 @@
 // blocks in order, then y = acc (+ bias). The AVX512-VNNI path and the scalar one run these
 // operations in this order, so they give the same bits; every token gets its own accumulator
 // whatever its batch-mates (batch invariance, as in gguf_rows.cpp).
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -57,7 +59,6 @@
 
 void gguf_quantize_acts(const float* x, int64_t N, int64_t K, int64_t qk, int8_t* qa, float* da,
                         int16_t* bsum);                                                            // gguf_rows.cpp
-float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc, int16_t* mn);  // gguf_rows.cpp
 void gguf_dequant_values(int64_t type, int64_t qk, const uint8_t* q, const int16_t* sc, const int16_t* mn, float d,
                          float dmin, float* o);                                                    // gguf_rows.cpp
 

@@ -12,6 +12,8 @@
 // Each token is computed on its own by the same instructions for any number of tokens, so
 // its result never depends on its batch-mates (speculative output = plain output).
 // The dot product uses AVX512-VNNI when the compiler targets it, plain C++ otherwise.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,7 +28,7 @@
 #define FORERUN_VNNI 1
 #endif
 
-// Weights are packed once (Int8Linear, `pack_weight` in quant.py) as [M/16][K/4][16][4] bytes
+// Weights are packed once (Int8Linear, `pack_weight` in linears/int8.py) as [M/16][K/4][16][4] bytes
 // w8 + 128 (VNNI multiplies unsigned by signed bytes: the weights are the unsigned side, the
 // activations the signed one; dp = sum (w8 + 128) a - 128 sum a, exact): 64 bytes = 4
 // consecutive k of 16 consecutive outputs, exactly one VNNI instruction's worth. A token's 4
@@ -236,35 +238,9 @@ bool has_vnni() {
 #endif
 }
 
-torch::Tensor f32_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, int64_t M);  // f32_rows.cpp
-torch::Tensor attend_prefix(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor limits,
-                            double scale);  // attention_rows.cpp
-torch::Tensor attend_masked(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor mask,
-                            double scale);  // attention_rows.cpp
-torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                                torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads,
-                                double scale);  // attention_rows.cpp
-torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
-                        torch::Tensor bias, torch::Tensor norm_w, double eps, int64_t M);  // int4_rows.cpp
-void bind_layer_rows(pybind11::module& m);  // layer_rows.cpp
-void bind_gguf_rows(pybind11::module& m);   // gguf_rows.cpp
-void bind_gguf_packed_rows(pybind11::module& m);  // gguf_packed_rows.cpp
-void bind_int4_fit_rows(pybind11::module& m);  // int4_fit_rows.cpp
-
-// What this build was made from (kernel_key.py passes them as -D hex tokens; int8_kernel.py
-// reuses a build only while they match its sources, torch, -march and CPU).
-#define FORERUN_STR_(x) #x
-#define FORERUN_STR(x) FORERUN_STR_(x)
-#ifndef FORERUN_BUILD_KEY
-#define FORERUN_BUILD_KEY none
-#define FORERUN_BUILD_SOURCES none
-#define FORERUN_BUILD_CPU none
-#endif
-
-// The one module of all the *_rows.cpp files (compiled together: setup.py at install, or
-// int8_kernel.py at run time). A new file binds its functions in a `void bind_<file>(pybind11::module& m)`
-// of its own, declared and called here, as layer_rows.cpp and gguf_rows.cpp do.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// The functions of this file and of the sources that module.cpp binds no other way (f32_rows.cpp,
+// int4_rows.cpp, attention_rows.cpp), put in the module.
+void bind_int8_rows(pybind11::module& m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows");
   m.def("int8_rows", &int8_rows, "int8 linear, activations int8 per group of 64, any number of rows");
   m.def("int4_rows", &int4_rows, "linear over 4-bit group-quantised weights, activations int8 per group, any number of rows");
@@ -273,11 +249,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits");
   m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call");
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");
-  bind_layer_rows(m);
-  bind_gguf_rows(m);
-  bind_gguf_packed_rows(m);
-  bind_int4_fit_rows(m);
-  m.attr("BUILD_KEY") = FORERUN_STR(FORERUN_BUILD_KEY);
-  m.attr("BUILD_SOURCES") = FORERUN_STR(FORERUN_BUILD_SOURCES);
-  m.attr("BUILD_CPU") = FORERUN_STR(FORERUN_BUILD_CPU);
 }

@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from forerun.kernels.backend import CpuKernels
+from forerun.linears.swap import swap_linears
+
 
 def pack_f32_weight(w: torch.Tensor) -> torch.Tensor:
     """[M, K] -> [Mp/16, K, 16], Mp = M up to a multiple of 48 (f32_rows.cpp's 3-block chunks;
@@ -41,10 +44,10 @@ class F32RowsLinear(nn.Module):
         return {**self.__dict__, "_f32_rows": None, "_args": None}
 
     def __setstate__(self, state):
-        from forerun.models import int8_kernel
+        from forerun.kernels import loader as kernel_loader
 
         super().__setstate__(state)
-        kernel = int8_kernel.load()
+        kernel = kernel_loader.load()
         if kernel is None:
             raise RuntimeError("a float32 kernel linear needs forerun's compiled kernel, which is not available here")
         self._f32_rows = kernel.f32_rows
@@ -92,31 +95,22 @@ class F32RowsLinear(nn.Module):
 def use_f32_kernels_(model: nn.Module, kernel) -> nn.Module:
     """Every nn.Linear of a float32 CPU model through the kernel; the model's per-query chain
     attention where it has one (LlamaForCausalLM)."""
-    _swap_linears(model, kernel)
-    if hasattr(model, "use_chain_attention_kernel"):
-        model.use_chain_attention_kernel(kernel)
+    swap_linears(model, lambda c: F32RowsLinear(c, kernel) if isinstance(c, nn.Linear) else None)
+    if hasattr(model, "set_backend"):
+        model.set_backend(CpuKernels(kernel, fused=False))
     return model
-
-
-def _swap_linears(module: nn.Module, kernel) -> None:
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(module, name, F32RowsLinear(child, kernel))
-        else:
-            _swap_linears(child, kernel)
 
 
 def to_plain_linears_(model: nn.Module) -> nn.Module:
     """The inverse of use_f32_kernels_ for the linears: torch's sgemm again (the same function,
     other rounding, not batch-invariant; much faster over hundreds of tokens on a CPU without
     AVX512, e.g. scoring a reference model's long chunks)."""
-    for name, child in model.named_children():
-        if isinstance(child, F32RowsLinear):
-            plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-            plain.weight = nn.Parameter(child.weight.contiguous(), requires_grad=False)
-            if child.bias is not None:
-                plain.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
-            setattr(model, name, plain)
-        else:
-            to_plain_linears_(child)
-    return model
+    return swap_linears(model, lambda c: _plain(c) if isinstance(c, F32RowsLinear) else None)
+
+
+def _plain(child: F32RowsLinear) -> nn.Linear:
+    plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+    plain.weight = nn.Parameter(child.weight.contiguous(), requires_grad=False)
+    if child.bias is not None:
+        plain.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
+    return plain

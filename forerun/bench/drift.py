@@ -74,7 +74,7 @@ def perturb_(model: torch.nn.Module, sigma: float, seed: int = 0) -> torch.nn.Mo
     g = torch.Generator().manual_seed(seed)
     touched = 0
     named = list(model.named_parameters()) + list(model.named_buffers())
-    from forerun.models.gguf_native import GGUFEmbedding, GGUFLinear
+    from forerun.linears.gguf import GGUFEmbedding, GGUFLinear
 
     # int4's groups of 64 and GGUF blocks (gguf, int4's Q4_K form) are held packed, not as buffers
     packed = any(hasattr(m, "u4_rows") or isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules())

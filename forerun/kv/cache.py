@@ -90,6 +90,11 @@ class KVCache:
     def num_rows(self) -> int:
         return len(self.lengths)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The keys' and values' dtype."""
+        return self.k[0].dtype
+
     @staticmethod
     def _rows_index(batch: ForwardBatch):
         """A slice when rows are consecutive (no gather copy), else the index tensor."""

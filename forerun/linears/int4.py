@@ -9,7 +9,7 @@ Two forms, the same 4.5 bits:
   sub-block of 32 inputs a grid w = (d sc) u - (dmin mn), u in 0..15, sc and mn 6-bit, d and
   dmin float16 per 256, fitted to the weights (int4_fit_rows.cpp: each sub-block's
   least-squares line, then the 6-bit pair with the least error), and computed by the gguf
-  kernels (gguf_native.GGUFLinear: activations int8 per 256, one instruction sequence for
+  kernels (linears/gguf.py's GGUFLinear: activations int8 per 256, one instruction sequence for
   any number of tokens). From a quantized GGUF (int4_of_blocks) the file's own Q4_K matrices
   are kept byte for byte: only its other types (Q6_K, Q5_0, Q8_0 ...) are fitted. On the
   Qwen2.5-Coder-1.5B Q4_K_M: KL from float32 0.0083, perplexity +1.04% (every matrix fitted:
@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from forerun.models import int8_kernel
+from forerun.kernels import loader as kernel_loader
+from forerun.linears.swap import swap_linears
 
 GROUP = 64  # inputs per scale / minimum
 Q4K_WIDTH = 256  # inputs per Q4_K block: a linear with whole blocks of them takes that form
@@ -36,10 +37,10 @@ Q4K_WIDTH = 256  # inputs per Q4_K block: a linear with whole blocks of them tak
 
 def _kernels():
     """forerun's compiled kernels (fits and int4_rows), or the refusal: int4 has no fallback."""
-    kernel = int8_kernel.load()
+    kernel = kernel_loader.load()
     if kernel is None or not hasattr(kernel, "int4_fit_q4k"):
         raise RuntimeError("int4 needs forerun's compiled kernels, which could not be built here "
-                           "(see the warning above); use int8 or float32")
+                           "(see the warning above); use float32")
     return kernel
 
 
@@ -153,7 +154,7 @@ def int4_linear(linear: nn.Module) -> nn.Module:
     groups of 64."""
     if linear.in_features % Q4K_WIDTH:
         return Int4Linear(linear)
-    from forerun.models.gguf_native import Q4_K, Blocks, GGUFLinear
+    from forerun.linears.gguf import Q4_K, Blocks, GGUFLinear
 
     blocks = _kernels().int4_fit_q4k(linear.weight.detach().float().contiguous())
     bias = None if linear.bias is None else linear.bias.detach()
@@ -164,7 +165,7 @@ def int4_of_blocks(linear: nn.Module) -> nn.Module:
     """int4 of a GGUFLinear (a quantized GGUF's matrix): its Q4_K parts kept as the file stores
     them (already int4's form: never re-quantized), any other part fitted to Q4_K blocks from
     its dequantized values; a linear whose inputs are not whole blocks of 256 as int4_linear."""
-    from forerun.models.gguf_native import Q4_K, Blocks, GGUFLinear
+    from forerun.linears.gguf import Q4_K, Blocks, GGUFLinear
 
     if linear.in_features % Q4K_WIDTH:
         return int4_linear(linear)
@@ -179,25 +180,25 @@ def int4_of_blocks(linear: nn.Module) -> nn.Module:
 def to_int4_(model: nn.Module) -> nn.Module:
     """The int4 model: every linear (the LM head included) 4-bit, then the model's own kernel
     wiring where it has one (norms folded into the linears they feed, per-query attention)."""
-    _swap(model)
-    if hasattr(model, "use_int8_kernels"):
-        model.use_int8_kernels(int8_kernel.load())
-    return model
+    from forerun.linears.int8 import finish_on_kernels_
+
+    swap_linears(model, _int4_of)
+    return finish_on_kernels_(model)
 
 
-def _swap(module: nn.Module) -> None:
-    from forerun.models.f32_linear import F32RowsLinear
-    from forerun.models.quant import Int8Linear
+def _int4_of(child: nn.Module) -> nn.Module | None:
+    """swap_linears' rule for int4: a float or float32-kernel linear, or an Int8Linear."""
+    from forerun.linears.f32 import F32RowsLinear
+    from forerun.linears.int8 import Int8Linear
 
-    for name, child in module.named_children():
-        if isinstance(child, (nn.Linear, F32RowsLinear)):
-            setattr(module, name, int4_linear(child))
-        elif isinstance(child, Int8Linear):  # an int4 copy of an int8 model: from its dequantised weights
-            setattr(module, name, int4_linear(_as_linear(child)))
-            if child.pre_norm is not None:  # (the layer's own norm call is gone: keep it here)
-                getattr(module, name).absorb_norm(child.pre_norm)
-        else:
-            _swap(child)
+    if isinstance(child, (nn.Linear, F32RowsLinear)):
+        return int4_linear(child)
+    if isinstance(child, Int8Linear):  # an int4 copy of an int8 model: from its dequantised weights
+        q = int4_linear(_as_linear(child))
+        if child.pre_norm is not None:  # (the layer's own norm call is gone: keep it here)
+            q.absorb_norm(child.pre_norm)
+        return q
+    return None
 
 
 def _as_linear(q) -> nn.Linear:

@@ -1,13 +1,15 @@
 """What a build of forerun's C++ kernels is made from, and the key that names it.
 
 The standard library only: setup.py loads this file by path (forerun's own imports may not
-be installed yet when it runs), and models/int8_kernel.py imports it to check a build.
+be installed yet when it runs), and kernels/loader.py imports it to check a build.
 
-The kernels are every `*_rows.cpp` beside this file, compiled into one extension module.
-Its key is SHA-256 over the sources' names and bytes, torch's version and the `-march`;
-the build carries it (and its CPU's flags) as preprocessor tokens, which int8_rows.cpp's
-module exposes as BUILD_KEY, BUILD_SOURCES and BUILD_CPU. A build is reused only while all
-three still match (int8_kernel.load).
+The kernels are every `.cpp` beside this file (a `.cu` too, once a CUDA build takes one),
+compiled into one extension module; the headers beside them (`kernels.h`) are part of what
+a build is made from, so an edited header rebuilds as an edited source does. Its key is
+SHA-256 over those files' names and bytes, torch's version and the `-march`; the build
+carries it (and its CPU's flags) as preprocessor tokens, which module.cpp exposes as
+BUILD_KEY, BUILD_SOURCES and BUILD_CPU. A build is reused only while all three still match
+(kernels/loader.py).
 
     >>> a, b = Path("a_rows.cpp"), Path("b_rows.cpp")
     >>> key = build_key(sources_digest({a: b"x", b: b"y"}), "2.13.0+cpu", "native")
@@ -23,16 +25,24 @@ import os
 import platform
 from pathlib import Path
 
-MODELS = Path(__file__).resolve().parent
+KERNELS = Path(__file__).resolve().parent
+SOURCE_GLOBS = ("*.cpp", "*.cu")  # compiled, each into the one module
+HEADER_GLOBS = ("*.h", "*.cuh")  # included by the sources: in the key, not compiled on their own
 # -O3 and no silent FMA contraction (the same bits on every path); -g0 cancels the -g that
 # setuptools takes from Python's own build flags (torch's runtime builder passes none).
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-g0"]
 LDFLAGS = ["-fopenmp"]
 
 
-def sources(folder: Path = MODELS) -> list[Path]:
-    """The kernel sources: every `*_rows.cpp` in `folder`, by name (a new file needs no edit here)."""
-    return sorted(folder.glob("*_rows.cpp"))
+def sources(folder: Path = KERNELS) -> list[Path]:
+    """The kernel sources: every `.cpp` (and `.cu`) in `folder`, by name (a new file needs no edit here)."""
+    return sorted(p for pattern in SOURCE_GLOBS for p in folder.glob(pattern))
+
+
+def key_files(sources: list[Path]) -> list[Path]:
+    """What a build of `sources` is made from: the sources and the headers beside them."""
+    folders = sorted({p.parent for p in sources})
+    return sorted(set(sources) | {h for f in folders for pattern in HEADER_GLOBS for h in f.glob(pattern)})
 
 
 def read_sources(paths: list[Path]) -> dict[Path, bytes]:

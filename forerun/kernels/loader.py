@@ -1,4 +1,4 @@
-"""forerun's compiled kernels (models/*_rows.cpp, one extension module), built at install.
+"""forerun's compiled kernels (kernels/*.cpp, one extension module), built at install.
 
 Decoding at int8 spends most of a layer's time in small ops around the GEMM, not in it;
 int8_rows.cpp does the activation scaling, quantisation, int8 dot products and epilogue in
@@ -9,9 +9,9 @@ AVX512-VNNI where the CPU has it). `load()` returns the module, or None; where i
 from is `origin()` (`forerun --version` prints it):
 
 - installed: `pip install --no-build-isolation -e .` (the Makefile's setup step) compiled
-  it into forerun/models/_kernels*.so (setup.py). It is used while the key it carries
+  it into forerun/kernels/_kernels*.so (setup.py). It is used while the key it carries
   matches the sources beside this file, torch's version and -march=native, and its CPU this
-  one (kernel_key.py).
+  one (kernels/build_key.py).
 - runtime-built: otherwise one line on stderr says why (the sources changed since the
   install, torch was absent when it ran, another CPU), and the module is built for this run
   under forerun's cache dir (FORERUN_CACHE_DIR), in a folder named by its key: compiled in
@@ -24,8 +24,9 @@ FORERUN_KERNEL_MARCH (default `native`) builds for less than this CPU at run tim
 `x86-64-v4` (AVX512 without VNNI: the plain C++ dot products) or `x86-64-v3` (AVX2), so the
 bit-level tests can run each code path on one machine (tests/test_isa_levels.py).
 
-A new `*_rows.cpp` is picked up by its name; it binds its functions in a
-`bind_<file>(pybind11::module&)` that int8_rows.cpp's PYBIND11_MODULE declares and calls.
+A new `.cpp` beside the others is compiled into the module by its name alone; what it shares
+with the others is declared in kernels.h, and it binds its functions in a
+`bind_<file>(pybind11::module&)` that kernels.h declares and module.cpp's PYBIND11_MODULE calls.
 """
 from __future__ import annotations
 
@@ -44,15 +45,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from forerun.models import kernel_key
-from forerun.models.kernel_key import cpu_flags_line
+from forerun.kernels import build_key
+from forerun.kernels.build_key import cpu_flags_line
 
 log = logging.getLogger(__name__)
-SOURCES = kernel_key.sources()
-SOURCE = kernel_key.MODELS / "int8_rows.cpp"
+SOURCES = build_key.sources()
 MARCH = os.environ.get("FORERUN_KERNEL_MARCH", "native").strip() or "native"
 NAME = "forerun_kernels"  # a runtime build's module is NAME_<march>_<key>
-INSTALLED = "forerun.models._kernels"  # setup.py's build
+INSTALLED = "forerun.kernels._kernels"  # setup.py's build
 ABANDONED_S = 24 * 3600  # a temporary build folder this old was a killed build's: removed
 
 
@@ -64,19 +64,19 @@ def cpu_flags() -> set[str]:
 
 @dataclass(frozen=True)
 class Build:
-    """One build of the kernels: what it compiles and the hex keys it carries (kernel_key.py)."""
+    """One build of the kernels: what it compiles and the hex keys it carries (kernels/build_key.py)."""
 
     sources: tuple[Path, ...]
     march: str
-    digest: str  # the sources' names and bytes
+    digest: str  # the sources' and headers' names and bytes
     key: str  # + torch's version and march
     cpu: str  # this CPU's flags
 
     @classmethod
     def of(cls, sources: list[Path], torch_version: str, march: str) -> Build:
-        digest = kernel_key.sources_digest(kernel_key.read_sources(sources))
-        key = kernel_key.build_key(digest, torch_version, march)
-        return cls(tuple(sources), march, digest, key, kernel_key.cpu_tag())
+        digest = build_key.sources_digest(build_key.read_sources(build_key.key_files(sources)))
+        key = build_key.build_key(digest, torch_version, march)
+        return cls(tuple(sources), march, digest, key, build_key.cpu_tag())
 
     @property
     def name(self) -> str:
@@ -99,7 +99,7 @@ def load():
 
 
 def origin() -> str:
-    """Where `load()`'s module came from, e.g. "installed (.../forerun/models/_kernels...so)"."""
+    """Where `load()`'s module came from, e.g. "installed (.../forerun/kernels/_kernels...so)"."""
     k = kernels()
     return f"{k.origin} ({k.where})"
 
@@ -174,7 +174,7 @@ def _compile(build: Build, final: Path) -> None:
     Torch's lock file lives in that folder only, so no other process ever waits on it."""
     from torch.utils import cpp_extension
 
-    kernel_key.put_ninja_on_path()
+    build_key.put_ninja_on_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(final.parent.parent)
     tmp = tempfile.mkdtemp(prefix=f"{build.name}.build-", dir=final.parent.parent)
@@ -184,8 +184,8 @@ def _compile(build: Build, final: Path) -> None:
         built = cpp_extension.load(
             name=build.name,
             sources=[str(s) for s in build.sources],
-            extra_cflags=kernel_key.compile_args(build.march, build.key, build.digest, build.cpu),
-            extra_ldflags=kernel_key.LDFLAGS,
+            extra_cflags=build_key.compile_args(build.march, build.key, build.digest, build.cpu),
+            extra_ldflags=build_key.LDFLAGS,
             build_directory=tmp,
             is_python_module=False,  # the library, imported below from where it ends up
             verbose=False,

@@ -1,4 +1,4 @@
-"""The cells of the serve matrix (matrix.py): a server per configuration, the greedy
+"""The cells of the serve matrix (bench/matrix.py): a server per configuration, the greedy
 reference (each prompt alone), and one measured load per concurrency.
 
 A cell: loadgen's summary of the load, identity against the reference, acceptance = accepted /
@@ -16,10 +16,10 @@ import time
 
 import httpx
 
-from forerun.serve import loadgen
-from forerun.serve.launch import Launched, free_port
-from forerun.serve.llama_peer import LlamaSetup, llama_argv
-from forerun.serve.matrix_report import identity
+from forerun.bench import loadgen
+from forerun.bench.launch import Launched, free_port
+from forerun.bench.llama_peer import LlamaSetup, llama_argv
+from forerun.bench.matrix_report import identity
 
 CONFIGS = ("fixed", "batch-aware", "off")
 LLAMA_BODY = {"cache_prompt": False}  # forerun reuses no prompt prefix; neither may llama-server

@@ -8,6 +8,8 @@
 // attend_prefix: the attention alone. rope_write_attend: a whole attention layer between
 // its q/k/v linear and its output linear (RoPE, the KV cache write, attention) in one call,
 // which on a 24-28 layer model saves ~1-2 ms of small torch ops per forward.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -8,11 +8,13 @@
 // at once gives each the bits it gets alone (float32 speculative == float32 plain, bit for
 // bit, with the per-query attention), and the cost of a forward is the weight stream.
 //
-// Weights are packed once (`pack_f32_weight` in f32_linear.py) as [Mp/16][K][16]: for each k,
+// Weights are packed once (`pack_f32_weight` in linears/f32.py) as [Mp/16][K][16]: for each k,
 // 16 consecutive outputs' weights are one 64-byte vector. A chunk of 4 such blocks (64
 // outputs) is processed for up to 6 tokens at a time (24 accumulators), K in tiles that stay
 // in L2 while every token group passes over them; partial sums wait in memory between tiles
 // (storing a float does not change it, so the order above holds).
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.kv_cache import ForwardBatch, KVCache
+from forerun.kv.cache import ForwardBatch, KVCache
 
 
 class _LayerViews:
@@ -58,6 +58,11 @@ class PagedKVCache:
     @property
     def num_rows(self) -> int:
         return len(self.lengths)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The keys' and values' dtype."""
+        return self.k_pool[0].dtype
 
     def set_table(self, row: int, blocks: list[int]) -> None:
         """Row `row` now reads and writes through `blocks` (its sequence's table, position order)."""

@@ -14,6 +14,8 @@
 // so S_j = sum_g s_g sum_{k in g} a[k] w[j,k]. Every token runs this same instruction sequence
 // whatever its batch-mates, for any number of rows: one kernel serves decoding, verification
 // and prefill, and the int4 model is batch-invariant like the int8 one.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -26,6 +26,8 @@
 // token then runs the same instruction sequence whatever its batch-mates: one kernel serves
 // decoding, verification and prefill, and a token's output never depends on how many
 // tokens were scored beside it (batch invariance, tests/test_gguf_native.py).
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

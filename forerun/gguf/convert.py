@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from forerun.errors import ModelLoadError
-from forerun.models.gguf_index import gguf_index, open_reader
+from forerun.gguf.index import gguf_index, open_reader
 
 SOURCE_FILE = "forerun_gguf.json"  # in a converted folder: the GGUF it came from
 
@@ -580,7 +580,7 @@ def _write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
 
 
 def write_source(folder: Path, gguf_path: Path) -> None:
-    """Record in a converted folder which GGUF it came from (dtype gguf reads its blocks: gguf_native.py)."""
+    """Record in a converted folder which GGUF it came from (dtype gguf reads its blocks: linears/gguf.py)."""
     (folder / SOURCE_FILE).write_text(json.dumps({"path": str(Path(gguf_path).resolve())}) + "\n")
 
 

@@ -1,0 +1,45 @@
+"""The one protocol every KV cache keeps: what a decoder's attention and the generate loop call.
+
+Two caches keep it: `KVCache` (kv/cache.py: a preallocated [rows, H_kv, capacity, D] pair per
+layer, for `LLM`) and `PagedKVCache` (kv/paged.py: fixed-size blocks from one pool, each row
+reading through its block table, for the server). A model takes either; so would a 16-bit or
+a prefix-sharing cache. Position-indexed: slot s of a row holds the token at position s, so a
+rejected draft needs no rollback (`truncate` moves the length, later writes overwrite).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from forerun.kv.cache import ForwardBatch
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    lengths: list[int]  # host-side, per row: slots [0, length) hold committed tokens
+    capacity: int  # slots per row
+    k: object  # per layer, indexable: the layer's keys as the kernels read them ([rows, H_kv, S, D])
+    v: object
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The keys' and values' dtype (the kernels read float32 only)."""
+
+    def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, H_kv, T, D] for the batch's (rows, slots)."""
+
+    def check_fits(self, batch: ForwardBatch) -> None:
+        """Raises IndexError where the forward would write past the capacity (once per forward)."""
+
+    def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [0, kv_len) for the batch's rows: [B, H_kv, S, D] each."""
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep slots [0, length) of `row`."""
+
+    def move(self, row: int, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy entries src -> dst in every layer (a token tree's accepted path, compacted)."""
