@@ -52,12 +52,14 @@ def test_the_default_precision_is_the_files_own_blocks(llm, llm_f32, prompts):
 
 
 def test_the_tied_table_is_held_once_and_looks_up_the_files_rows(llm, llm_f32):
-    """SmolLM2 ties its head to its Q8_0 embedding: where the head is packed for the VNNI
-    kernel, the embedding reads its rows from that copy, and they are the file's values."""
+    """SmolLM2 ties its head to its Q8_0 embedding: the table is held once. Where the head is
+    packed for the VNNI kernel, the embedding reads its rows from that packed copy; elsewhere
+    both hold the file's own blocks. Either way the rows are the file's values."""
     from forerun.kernels import loader as kernel_loader
 
     emb, head = llm.model.model.embed_tokens, llm.model.lm_head
-    assert (emb.blocks is head.parts[0]) == bool(kernel_loader.load().gguf_packed_vnni())
+    assert emb.blocks is head.parts[0]
+    assert bool(head.parts[0].packed_rows) == bool(kernel_loader.load().gguf_packed_vnni())
     ids = torch.tensor([[0, 17, 49151, 17]])
     assert torch.equal(emb(ids), llm_f32.model.model.embed_tokens(ids))
 

@@ -19,7 +19,7 @@ def profile_name(llm) -> str:
 
 
 def user_profile_path(llm) -> Path:
-    from forerun.embedded import cache_dir
+    from forerun.cache import cache_dir
 
     return cache_dir() / "profiles" / profile_name(llm)
 

@@ -15,7 +15,7 @@ TOTALS = [("pass@1", "pass@1"), ("passed", "passed"), ("problems", "problems"), 
 
 def default_out(report: dict) -> Path:
     """<forerun's cache>/eval/<task>-<model>-<dtype>-<method>[-k<k>]-<date-time>: never the checkout."""
-    from forerun.embedded import cache_dir
+    from forerun.cache import cache_dir
 
     label = report["method"] + (f"-k{report['k']}" if report.get("k") is not None else "")
     name = f"{report['task']}-{report['model']}-{report['dtype']}-{label}-{time.strftime('%Y%m%d-%H%M%S')}"

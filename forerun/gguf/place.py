@@ -102,11 +102,7 @@ def _read_bytes(path: Path, offset: int, n: int) -> np.ndarray:
 def _place(model: nn.Module, tensors: dict, cfg, path: Path) -> None:
     """Put every tensor where the model wants it: Blocks as GGUFLinear / GGUFEmbedding modules,
     the q/k/v and gate/up parts stacked, float tensors as parameters."""
-    from forerun.models.llama import LlamaForCausalLM
-
-    fused = isinstance(model, LlamaForCausalLM)
-    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")} if fused else {}
+    groups = getattr(model, "fused_linears", {})  # e.g. llama's qkv_proj <- q_proj, k_proj, v_proj
     used: set[str] = set()
     placed: list[str] = []  # modules built here, whole (their parameters are not in `rest`)
     for mod_name, module in list(model.named_modules()):

@@ -111,7 +111,7 @@ def kernels() -> Kernels:
     try:
         import torch
 
-        from forerun.embedded import cache_dir
+        from forerun.cache import cache_dir
 
         build = Build.of(SOURCES, str(torch.__version__), MARCH)
         stale = None

@@ -119,13 +119,16 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# This decoder's linears that stack several of HF's: q/k/v in one GEMM, gate/up in another.
+FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
 def fuse_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF names -> this module's: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj."""
-    fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
     out = dict(state)
     for key in state:
-        for target, parts in fused.items():
+        for target, parts in FUSED_LINEARS.items():
             for suffix in ("weight", "bias"):
                 if key.endswith(f"{parts[0]}.{suffix}"):
                     prefix = key[: -len(f"{parts[0]}.{suffix}")]
@@ -135,6 +138,8 @@ def fuse_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 class LlamaForCausalLM(DecoderBase):
+    fused_linears = FUSED_LINEARS  # (gguf/place.py stacks a GGUF file's parts the same way)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg

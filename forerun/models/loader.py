@@ -42,7 +42,7 @@ def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
 
 
 def _converted_gguf(path: Path, progress: bool) -> Path:
-    from forerun.embedded import cache_dir
+    from forerun.cache import cache_dir
     from forerun.gguf.convert import convert_gguf_to_hf
 
     st = path.stat()
