@@ -5,13 +5,16 @@ on its modules from outside.
 
 - `TorchBackend`: plain PyTorch (SDPA, torch's norms). Every model starts with it; bfloat16,
   accelerators and the float32 model without kernels keep it.
-- `CpuKernels`: forerun's compiled CPU kernels (kernels/*.cpp). Chains of fewer than
-  WIDE_ROWS new tokens attend one query at a time (RoPE and the cache write folded in where
-  the attention's projections allow it), token trees under their mask the same way, and, with
-  `fused=True` (int8, int4, gguf: the linears carry their norms), silu(gate) * up, the final
-  norm, a whole layer and the whole layer stack run as single calls. Each gives a token the
-  bits it would get alone, so a forward is batch-invariant and speculative output equals
-  plain output (tests/test_int8_identity.py, test_gguf_native.py, test_int4.py).
+- `CpuKernels`: forerun's compiled CPU kernels (kernels/*.cpp). Every query attends on its
+  own (RoPE and the cache write folded in where the attention's projections allow it), in
+  a chain or a token tree, a decoding step or a 4k-token prompt alike; with `fused=True`
+  (int8, int4, gguf: the linears carry their norms), silu(gate) * up, the final norm, a whole
+  layer and the whole layer stack run as single calls where a forward has fewer than
+  WIDE_ROWS tokens. Each gives a token the bits it would get alone, so a forward is
+  batch-invariant: speculative output equals plain output (tests/test_int8_identity.py,
+  test_gguf_native.py, test_int4.py), and a prompt's K/V are the same bits whether it was
+  prefilled whole, in chunks, or decoded token by token, so a cached prefix can stand in
+  for a computed one (tests/test_prefill_invariance.py).
 
 A CUDA backend would be a third class with the same methods. Each method that may decline
 returns None where its fast path does not take the forward (the caller then runs the plain
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 
 from forerun.kv.cache import ForwardBatch, KVCache
 
-WIDE_ROWS = 64  # chains of fewer new tokens take the per-query attention kernels
+WIDE_ROWS = 64  # forwards of fewer tokens take the one-call layer (the linears' few-token kernels)
 
 
 def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -57,6 +60,7 @@ class TorchBackend:
     """Plain PyTorch: what every op computes without forerun's kernels."""
 
     name = "torch"
+    prefill_sdpa = True  # prompts (rows of WIDE_ROWS or more new tokens) go through SDPA
 
     def layer_stack(self, model, x, cos, sin, batch: ForwardBatch, cache) -> torch.Tensor | None:
         return None
@@ -105,6 +109,10 @@ class CpuKernels(TorchBackend):
     masked: bool = True  # attend_masked: token trees one query at a time
     one_call: bool = True  # decoder_layer_rows: a whole layer in one call (with fused and fused_layer)
     stacked: bool = True  # LayerStack: every layer in one call (with one_call)
+    # Rows of WIDE_ROWS or more new tokens (prompts) through SDPA's flash kernel, each row alone
+    # (the path before prefill was batch-invariant): a prompt's K/V then differ in bits from
+    # what decoding computes, so a prefix-cache hit or a chunked prefill may change tokens.
+    prefill_sdpa: bool = False
     stack: object = field(default=None, repr=False)  # the LayerStack bound to one model's linears (bind)
 
     name = "cpu-kernels"
@@ -117,10 +125,10 @@ class CpuKernels(TorchBackend):
         return x.dtype == torch.float32 and cache.dtype == torch.float32
 
     def chain(self, x, batch: ForwardBatch, cache) -> bool:
-        """A chain of short rows over forerun's own row cache (a paged cache gathers its
-        blocks, so it keeps the op-by-op path), in float32."""
+        """A chain over forerun's own row cache (a paged cache gathers its blocks, so it keeps
+        the op-by-op path), in float32."""
         return (batch.starts is not None and type(cache) is KVCache and self.takes(x, cache)
-                and max(batch.lengths) < WIDE_ROWS)
+                and (not self.prefill_sdpa or max(batch.lengths) < WIDE_ROWS))
 
     def few_tokens(self, x, batch: ForwardBatch, cache) -> bool:
         """A forward the one-call layer (and the layer stack) takes: a chain whose linears run
@@ -172,20 +180,20 @@ class CpuKernels(TorchBackend):
     def attend(self, attn, q, batch, cache, bias):
         if self.per_query and batch.starts is not None and self.takes(q, cache):
             return self._chain_attention(attn, q, batch, cache)
-        if self.masked and batch.attention == "mask" and q.shape[2] < WIDE_ROWS and self.takes(q, cache):
+        if self.masked and batch.attention == "mask" and self.takes(q, cache):
             # a token tree: per query too, so a node on the accepted path gets its chain's bits
             return self.kernel.attend_masked(q, cache.k[attn.layer], cache.v[attn.layer], batch.row_index,
                                              batch.mask[:, 0], attn.hd**-0.5)
         return super().attend(attn, q, batch, cache, bias)
 
     def _chain_attention(self, attn, q, batch: ForwardBatch, cache):
-        """Chain attention computed so that a row's bits never depend on its batch-mates: a
-        row with fewer than WIDE_ROWS new tokens goes through the per-query kernel; a longer
-        one (a prompt) through SDPA's flash kernel on that row alone, with exactly the shapes
-        it would have if it were the only row."""
+        """Chain attention one query at a time: each query's keys in one fixed order, the same
+        instructions whatever chunk or batch it falls in. With prefill_sdpa, a row of WIDE_ROWS
+        or more new tokens goes through SDPA's flash kernel on that row alone instead (its bits
+        still never depend on its batch-mates, but differ from decoding's)."""
         scale = attn.hd**-0.5
         k_all, v_all = cache.k[attn.layer], cache.v[attn.layer]
-        long = [b for b, n in enumerate(batch.lengths) if n >= WIDE_ROWS]
+        long = [b for b, n in enumerate(batch.lengths) if n >= WIDE_ROWS] if self.prefill_sdpa else []
         if not long:
             return self.kernel.attend_prefix(q, k_all, v_all, batch.row_index, batch.slots + 1, scale)
         out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)

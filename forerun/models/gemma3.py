@@ -73,7 +73,8 @@ class Attention(nn.Module):
         cache.write(self.layer, batch, k, v)
         kernel = backend.masked_kernel(q, cache) if self.cap is None else None
         if kernel is not None:
-            return self.o_proj(self._per_query(kernel, q, mask, batch, cache).transpose(1, 2).reshape(B, T, self.nh * self.hd))
+            out = self._per_query(kernel, q, mask, batch, cache, backend.prefill_sdpa)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         keys, values = cache.read(self.layer, batch)  # (B, nkv, S, hd)
         if self.cap is None:
             out = F.scaled_dot_product_attention(
@@ -83,14 +84,14 @@ class Attention(nn.Module):
             out = self._capped_attention(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # out: (B, nh, T, hd)
 
-    def _per_query(self, kernel, q, mask, batch: ForwardBatch, cache: KVStore):
+    def _per_query(self, kernel, q, mask, batch: ForwardBatch, cache: KVStore, prefill_sdpa: bool):
         """Attention computed so that a row's bits never depend on its batch-mates or on how
-        many queries it scores: a row with fewer than WIDE_ROWS new tokens goes through the
-        per-query kernel under its mask (sliding windows included); a longer one (a prompt)
-        through SDPA on that row alone, over only the slots it can see."""
+        many queries it scores: every query through the per-query kernel under its mask
+        (sliding windows included), a prompt's too; with prefill_sdpa a row of WIDE_ROWS or
+        more new tokens goes through SDPA on that row alone, over only the slots it can see."""
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]
         lengths = batch.lengths  # None for a token tree: every node through the kernel
-        long = [] if lengths is None else [b for b, n in enumerate(lengths) if n >= WIDE_ROWS]
+        long = [] if lengths is None or not prefill_sdpa else [b for b, n in enumerate(lengths) if n >= WIDE_ROWS]
         if not long:
             return kernel(q, k_all, v_all, batch.row_index, mask[:, 0], self.scale)
         out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)
