@@ -1,0 +1,209 @@
+"""Agent sessions against OpenAI-style servers: every turn resends the whole conversation (a
+system prompt with tool schemas, a source file, the earlier answers and tool results) and asks
+for the next step, as coding assistants and agents do. Measures per server: session time,
+time to first token per turn, decode tok/s, and the prompt tokens the server reported cached.
+
+Sessions are built at run time from the Python standard library (a module's source as the
+file read, its functions' docstrings as tool results), never stored:
+
+    python -m forerun.bench.sessions --sessions 2 --turns 4 --max-tokens 160 \\
+        --forerun "--model qwen2.5-coder-1.5b --dtype gguf --method draft_model --draft-model qwen2.5-coder-0.5b" \\
+        --forerun "--model qwen2.5-coder-1.5b --dtype gguf --method none --no-prefix-cache" \\
+        --llama-server /path/to/llama-server --gguf <the 1.5B's .gguf> --out forerun-runs/sessions
+
+Each server is started once (a subprocess on a free port) and kept for every session; the
+sessions are played one after another, the servers taking turns session by session, so the
+machine's drift hits all alike. Greedy decoding, `ignore_eos` off: a turn ends where the
+model ends it or at --max-tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+MODULES = ("textwrap", "difflib", "shlex", "fractions", "heapq", "bisect", "calendar", "string")
+TOOLS = [  # the schemas an agent's system prompt carries (the shape of OpenAI's function tools)
+    {"name": "read_file", "description": "Read a file of the repository.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+    {"name": "run_tests", "description": "Run the repository's tests; returns their output.",
+     "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}}},
+    {"name": "search", "description": "Search the repository for a string.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
+]
+ASKS = ("Rewrite `{name}` with type hints, keeping its behaviour, and show the whole function.",
+        "The tests of `{name}` fail with the output below. Explain why in two sentences, then show a fix.",
+        "Add a docstring example to `{name}` and show the whole function again.",
+        "Show `{name}` again with its body unchanged but its local names made clearer.")
+
+
+@dataclass
+class Session:
+    """The turns of one agent session: the opening messages, then one user message per turn."""
+
+    module: str
+    opening: list[dict]
+    asks: list[str]
+
+
+def _functions(source: str) -> list[tuple[str, str]]:
+    """(name, docstring) of the module's top-level functions that have a docstring."""
+    tree = ast.parse(source)
+    return [(n.name, ast.get_docstring(n) or "") for n in tree.body if isinstance(n, ast.FunctionDef) and ast.get_docstring(n)]
+
+
+def build_sessions(n: int, turns: int, file_chars: int = 6000) -> list[Session]:
+    """n sessions of `turns` turns over different standard-library modules."""
+    out = []
+    for module in MODULES:
+        if len(out) == n:
+            break
+        path = Path(importlib.import_module(module).__file__)
+        source = path.read_text()
+        funcs = [f for f in _functions(source) if f"def {f[0]}(" in source[:file_chars]]
+        if len(funcs) < turns:
+            continue
+        system = ("You are a coding agent working in a Python repository. You can call these tools:\n"
+                  + json.dumps(TOOLS, indent=1) + "\nAnswer with code where code is asked for.")
+        user = f"Here is {path.name}, as read_file returned it:\n```python\n{source[:file_chars]}\n```"
+        asks = []
+        for t in range(turns):
+            name, doc = funcs[t]
+            ask = ASKS[t % len(ASKS)].format(name=name)
+            if t:  # a tool's result comes back with the request
+                ask += "\n\nTool result:\n" + "\n".join(doc.splitlines()[:6])
+            asks.append(ask)
+        out.append(Session(module, [{"role": "system", "content": system}, {"role": "user", "content": user}], asks))
+    if len(out) < n:
+        raise SystemExit(f"only {len(out)} standard-library modules make sessions of {turns} turns")
+    return out
+
+
+@dataclass
+class Turn:
+    ttft: float  # seconds to the first streamed token
+    seconds: float  # the whole turn
+    tokens: int  # completion tokens (the server's usage)
+    prompt_tokens: int
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, where the server says it
+    text: str = field(repr=False, default="")
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.tokens - 1) / (self.seconds - self.ttft) if self.tokens > 1 and self.seconds > self.ttft else 0.0
+
+
+def play_turn(client: httpx.Client, messages: list[dict], max_tokens: int) -> Turn:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - t0
+                text.append(piece)
+    details = usage.get("prompt_tokens_details") or {}
+    return Turn(first or 0.0, time.perf_counter() - t0, usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0),
+                details.get("cached_tokens"), "".join(text))
+
+
+def play(url: str, session: Session, max_tokens: int) -> list[Turn]:
+    """Every turn of `session` in order, each resending the history with the last answer."""
+    messages, turns = list(session.opening), []
+    # llama-server closes a connection after a stream: a fresh one per request
+    with httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for ask in session.asks:
+            messages = messages + [{"role": "user", "content": ask}] if turns else messages[:-1] + [
+                {"role": "user", "content": messages[-1]["content"] + "\n\n" + ask}]
+            turn = play_turn(client, messages, max_tokens)
+            turns.append(turn)
+            messages = messages + [{"role": "assistant", "content": turn.text}]
+    return turns
+
+
+def summary(turns: list[list[Turn]]) -> dict:
+    """Figures over sessions: session time, TTFT of the first and later turns, decode tok/s."""
+    later = [t for s in turns for t in s[1:]]
+    return {"sessions": len(turns), "session_s": round(statistics.mean(sum(t.seconds for t in s) for s in turns), 2),
+            "ttft_first_s": round(statistics.mean(s[0].ttft for s in turns), 2),
+            "ttft_later_s": round(statistics.mean(t.ttft for t in later), 3) if later else None,
+            "decode_tok_s": round(sum(t.tokens - 1 for s in turns for t in s)
+                                  / sum(t.seconds - t.ttft for s in turns for t in s), 2),
+            "cached_share_later": round(sum(t.cached_tokens or 0 for t in later) / max(1, sum(t.prompt_tokens for t in later)), 3),
+            "tokens": sum(t.tokens for s in turns for t in s)}
+
+
+def _servers(args) -> list[tuple[str, list[str]]]:
+    """(label, argv with {port}) of every server asked for."""
+    servers = [(f"forerun {a}", [sys.executable, "-m", "forerun.cli", "serve", *shlex.split(a), "--port", "{port}",
+                                 "--max-len", str(args.max_len)]) for a in args.forerun]
+    if args.llama_server:
+        for extra in [""] + list(args.llama_extra):
+            argv = [args.llama_server, "-m", args.gguf, "-t", str(args.threads), "-c", str(args.max_len), "-np", "1",
+                    "--port", "{port}", *shlex.split(extra)]
+            servers.append((f"llama-server {extra}".strip(), argv))
+    return servers
+
+
+def main(argv: list[str] | None = None) -> None:
+    from forerun.bench.launch import Launched, free_port
+
+    p = argparse.ArgumentParser(prog="python -m forerun.bench.sessions", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sessions", type=int, default=2)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--max-len", type=int, default=8192, help="each server's context")
+    p.add_argument("--forerun", action="append", default=[], help="`forerun serve` options, one server each (repeatable)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary: plain, then once per --llama-extra")
+    p.add_argument("--llama-extra", action="append", default=[], help="more llama-server flags, one server each "
+                   "(e.g. '--spec-type ngram-mod')")
+    p.add_argument("--gguf", default=None, help="the GGUF llama-server loads (the same file forerun's model came from)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="forerun-runs/sessions")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sessions = build_sessions(args.sessions, args.turns)
+    results: dict[str, list[list[Turn]]] = {}
+    launched = []
+    try:
+        for label, template in _servers(args):
+            port = free_port()
+            server = Launched([a.replace("{port}", str(port)) for a in template], port, out / f"server-{len(launched)}.log")
+            launched.append((label, server, server.__enter__()))
+        for session in sessions:  # servers take turns, session by session
+            for label, _, url in launched:
+                turns = play(url, session, args.max_tokens)
+                results.setdefault(label, []).append(turns)
+                print(json.dumps({"server": label, "module": session.module, "session_s": round(sum(t.seconds for t in turns), 2),
+                                  "ttft_s": [round(t.ttft, 2) for t in turns], "tokens": [t.tokens for t in turns],
+                                  "cached": [t.cached_tokens for t in turns]}), flush=True)
+    finally:
+        for _, server, _ in launched:
+            server.stop()
+    report = {label: summary(turns) for label, turns in results.items()}
+    (out / "sessions.json").write_text(json.dumps(report, indent=1))
+    for label, figures in report.items():
+        print(f"{label}: {json.dumps(figures)}")
+
+
+if __name__ == "__main__":
+    main()

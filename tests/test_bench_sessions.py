@@ -1,0 +1,44 @@
+"""The agent-session workload (forerun/bench/sessions.py): sessions built from the standard
+library at run time, played against a server turn by turn (the history resent each turn),
+and the figures taken from the streamed responses. Played here against a fake server."""
+import json
+
+import httpx
+
+from forerun.bench import sessions
+
+
+def test_sessions_are_built_from_the_standard_library_at_run_time():
+    built = sessions.build_sessions(2, 4)
+    assert len(built) == 2 and len({s.module for s in built}) == 2
+    for s in built:
+        assert [m["role"] for m in s.opening] == ["system", "user"] and "read_file" in s.opening[0]["content"]
+        assert len(s.asks) == 4 and all("Tool result:" in a for a in s.asks[1:])
+        assert "def " in s.opening[1]["content"]
+
+
+def test_a_session_resends_its_history_and_the_figures_come_from_the_stream():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body["messages"])
+        n = len(seen)
+        chunks = [{"choices": [{"delta": {"content": f"answer {n} "}}]}, {"choices": [{"delta": {"content": "done"}}]},
+                  {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 100 * n,
+                                            "prompt_tokens_details": {"cached_tokens": 90 * (n - 1)}}}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    session = sessions.build_sessions(1, 3)[0]
+    real = httpx.Client
+    httpx.Client = lambda **kw: real(transport=httpx.MockTransport(handler), **kw)
+    try:
+        turns = sessions.play("http://fake", session, 8)
+    finally:
+        httpx.Client = real
+    assert len(seen) == 3 and seen[2][-2] == {"role": "assistant", "content": "answer 2 done"}
+    assert seen[1][:len(seen[0])] == seen[0]  # the history resent, unchanged
+    assert [t.cached_tokens for t in turns] == [0, 90, 180] and all(t.tokens == 3 for t in turns)
+    figures = sessions.summary([turns])
+    assert figures["sessions"] == 1 and figures["cached_share_later"] == round(270 / 500, 3)
