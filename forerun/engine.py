@@ -17,6 +17,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv.cache import KVCache, chain_batch, tree_batch
+from forerun.kv.prefix import PrefixPool, restore
 from forerun.logprobs import sequence_logprobs
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes
@@ -59,6 +60,8 @@ class GenerateJob:
     on_tokens: Callable[[int, list[int], bool], None] | None = None  # streaming: (seq index, generated ids, finished)
     k_policy: object | None = None  # an adaptive.AdaptiveK: k per row and step (k is then the maximum)
     typical: TypicalRule | None = None  # acceptance="typical_lossy" (sampling only); None = exact
+    prefix: PrefixPool | None = None  # automatic prefix caching: blocks read before prefill, kept after
+    cache_salt: bytes = b""  # the tenant's part of the prefix keys (a block of another salt never matches)
 
 
 @torch.inference_mode()
@@ -74,7 +77,12 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     if drafter is not None:
         drafter.start(len(seqs), capacity, cache)
     t0 = time.perf_counter()
-    prefill(model, cache, seqs, drafter)
+    starts = [0] * len(seqs)
+    if job.prefix is not None:  # K/V of cached whole blocks copied in; prefill computes the rest
+        starts = [restore(job.prefix.lookup(s.tokens, job.cache_salt), cache, s.row) for s in seqs]
+        for s, n in zip(seqs, starts):
+            s.stats.cached_tokens = n
+    prefill(model, cache, seqs, drafter, starts)
     feed_drafter = getattr(drafter, "observe_prompts", None)
     if feed_drafter is not None:  # a draft model's own cache takes the prompts in the prefill too
         feed_drafter([(s.row, s.tokens) for s in seqs])
@@ -86,6 +94,11 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     t_decode = time.perf_counter() - t0 - t_prefill
     for s in seqs:
         s.stats.prefill_time, s.stats.decode_time = t_prefill, t_decode
+        if job.prefix is not None:  # the answer's blocks too: the next turn resends it
+            job.prefix.store(s.tokens, cache, s.row, cache.lengths[s.row], job.cache_salt)
+        retire = getattr(drafter, "retire", None)
+        if retire is not None:  # (a draft model keeps its own cache's blocks)
+            retire(s.row, s.tokens)
     return seqs
 
 
@@ -96,13 +109,16 @@ def _max_draft_nodes(job: GenerateJob) -> int:
     return getattr(job.drafter, "max_draft_nodes", lambda k: k)(job.k)
 
 
-def prefill(model, cache: KVCache, seqs: list[Sequence], drafter: Drafter | None = None):
-    """Write K/V for every prompt token but the last (the first step feeds that one); a
-    drafter with `observe_hidden` gets the hidden states of those tokens (HiddenRows)."""
+def prefill(model, cache: KVCache, seqs: list[Sequence], drafter: Drafter | None = None,
+            starts: list[int] | None = None):
+    """Write K/V for every prompt token but the last (the first step feeds that one), from
+    slot starts[i] on (the slots before hold cached K/V); a drafter with `observe_hidden`
+    gets the hidden states of the tokens computed (HiddenRows)."""
     sink = getattr(drafter, "observe_hidden", None)
     on_hidden = None if sink is None else lambda p, h: sink([HiddenRows(p.row, p.start, h)])
-    write_prefixes(model, cache, [PrefixWrite(s.row, 0, s.tokens[:-1]) for s in seqs if len(s.tokens) > 1],
-                   on_hidden=on_hidden)
+    starts = starts or [0] * len(seqs)
+    write_prefixes(model, cache, [PrefixWrite(s.row, a, s.tokens[a:-1]) for s, a in zip(seqs, starts)
+                                  if len(s.tokens) - 1 > a], on_hidden=on_hidden)
     for s in seqs:
         cache.truncate(s.row, len(s.tokens) - 1)
 

@@ -37,6 +37,11 @@ class CompletionOutput:
     # SamplingParams(prompt_logprobs=N): the same per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the prefix cache (vLLM's RequestOutput field)."""
+        return self.stats.cached_tokens
+
 
 class LLM:
     """A verifier model, its tokenizer and a default speculative config.
@@ -44,6 +49,13 @@ class LLM:
     model: None (embedded SmolLM2-135M-Instruct), an embedded model's name ("gemma3-270m"),
     a HF folder, a .gguf file, a hub id, or an already built decoder module (LlamaForCausalLM,
     Gemma3ForCausalLM; then pass tokenizer= or use token-id prompts).
+
+    enable_prefix_caching: keep the KV blocks of each generate call's prompts and answers (at
+    most prefix_cache_gb) and reuse them when a later prompt starts with the same tokens (a
+    chat's next turn). None (the default): on where the precision is batch-invariant (gguf,
+    int8, int4, float32 on forerun's kernels), so a hit never changes a token; elsewhere
+    (bfloat16, float32 without the kernels, accelerators) a hit may change tokens, so it is
+    opt-in (True).
     """
 
     def __init__(
@@ -54,6 +66,8 @@ class LLM:
         tokenizer=None,
         device: str = "cpu",
         progress: bool = True,
+        enable_prefix_caching: bool | None = None,
+        prefix_cache_gb: float = 1.0,
     ):
         self.dtype = check_dtype(dtype)
         if isinstance(model, torch.nn.Module):  # an already built forerun decoder
@@ -73,6 +87,7 @@ class LLM:
             self.dtype = self.precision.name
             self.model = load_model(folder, self.precision)
         self.speculative = speculative
+        self.prefix_cache = self._prefix_pool(enable_prefix_caching, prefix_cache_gb)
         self._drafter_cache: tuple[SpeculativeConfig, Drafter] | None = None
         self._cost_curves: dict[int, tuple[list[float], float]] = {}  # k_max -> (verify cost [k_max + 1], 1-token s)
 
@@ -94,9 +109,11 @@ class LLM:
         params = sampling_params or SamplingParams()
         spec = self.speculative if speculative is _DEFAULT else speculative
         ids = self.encode(prompts)
-        job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self.eos_ids())
+        job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self.eos_ids(), prefix=self.prefix_cache)
         if spec is not None and spec.enabled:
             job.drafter, job.k, job.typical = self.drafter_for(spec), spec.k_max, spec.typical_rule
+            if hasattr(job.drafter, "observe_hidden"):  # it reads the prompt's hidden states: no cached prefix
+                job.prefix = None
             if spec.adaptive:
                 job.k_policy = self._k_policy(spec.k_max, spec.options.get("verify_cost"))
         if params.stop:
@@ -168,6 +185,27 @@ class LLM:
                 )
             budgets.append(min(params.max_tokens, room))
         return budgets
+
+    def _prefix_pool(self, enable: bool | None, gb: float):
+        """The prefix cache (kv/prefix.py), or None: on by default where hits are bit-exact."""
+        from forerun.kv.prefix import PrefixPool
+
+        if enable is None:
+            enable = self.precision.batch_invariant
+        if not enable:
+            return None
+        if not gb > 0:
+            raise ConfigError(f"prefix_cache_gb must be > 0, got {gb!r}")
+        return PrefixPool(block_size=16, max_bytes=int(gb * 2**30), salt=self.prefix_salt())
+
+    def prefix_salt(self) -> bytes:
+        """What every prefix-cache key of this model carries: the model, its precision, the KV dtype."""
+        c = self.model.config
+        return f"{self.name}|{c.model_type}|{c.num_hidden_layers}x{c.hidden_size}|{self.precision.name}|kv={self.model.dtype}".encode()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block (vLLM's reset_prefix_cache); returns how many."""
+        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     def eos_ids(self) -> frozenset[int]:
         """The token ids that end a sequence: the model config's and the tokenizer's."""

@@ -22,6 +22,8 @@ class SpecStats:
     decode_time: float = 0.0  # seconds, from the end of prefill to the last token
     draft_time: float = 0.0  # seconds spent in the drafter (shared by the batch)
     verify_time: float = 0.0  # seconds spent in verifier forwards + verification
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
+    prefill_chunks: int = 0  # the server's forwards that computed this prompt (chunked prefill)
 
     @property
     def acceptance_rate(self) -> float:

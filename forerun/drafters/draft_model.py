@@ -29,6 +29,7 @@ from forerun.errors import ConfigError
 from forerun.kv.cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
 from forerun.sampling import draw, sample_many
+from forerun.kv.prefix import restore
 
 
 # A drafting step's usual catch-up, the last draft token and the bonus token after a fully
@@ -42,8 +43,11 @@ class DraftModelDrafter:
     name = "draft_model"
 
     def __init__(self, model, tree_width: int = 1, vocab_size: int | None = None, head=None, p_min: float = 0.0,
-                 lookup: tuple[int, int] | None = None):
+                 lookup: tuple[int, int] | None = None, prefix=None):
         self.model = model
+        # The draft model's own prefix cache (kv/prefix.py, its LLM's): a prompt's blocks that an
+        # earlier request's rows held are copied in instead of fed again; kept when a row retires.
+        self.prefix = prefix
         self.p_min = p_min  # stop a row's draft where the drafter's top probability falls below this (llama.cpp's p_min)
         self.lookup = lookup  # (n_max, n_min): prompt-lookup guesses checked in the first forward; None: off
         self.vocab_size = vocab_size or model.config.vocab_size  # the verifier's logit width
@@ -70,6 +74,17 @@ class DraftModelDrafter:
         self.synced, self.tail = {}, {}
         reset_rows(self.head)
 
+    def retire(self, row: int, tokens: list[int]) -> None:
+        """The sequence in `row` ended with `tokens`: keep the draft cache's whole blocks of it."""
+        if self.prefix is not None and self.cache is not None and self.synced.get(row):
+            self.prefix.store(tokens, self.cache, row, min(self.synced[row], len(tokens) - 1))
+
+    def _restore(self, row: int, tokens: list[int]) -> int:
+        """Copy the cached blocks that start a new row's tokens into the draft cache; their count."""
+        if self.prefix is None:
+            return 0
+        return restore(self.prefix.lookup(tokens), self.cache, row)
+
     def release(self, row: int) -> None:
         """A new sequence takes this row (the server's continuous batching)."""
         self.synced.pop(row, None)
@@ -87,10 +102,11 @@ class DraftModelDrafter:
         if not feeds:
             return
         t0 = time.perf_counter()
-        feed_all_but_last(self.model, self.cache, [row for row, _ in feeds], [(0, toks) for _, toks in feeds])
+        starts = [self._restore(row, toks) for row, toks in feeds]
+        feed_all_but_last(self.model, self.cache, [row for row, _ in feeds], [(n, toks[n:]) for n, (_, toks) in zip(starts, feeds)])
         for row, toks in feeds:
             self.synced[row], self.tail[row] = len(toks) - 1, []
-        self.fed_tokens += sum(len(toks) - 1 for _, toks in feeds)
+        self.fed_tokens += sum(len(toks) - 1 - n for n, (_, toks) in zip(starts, feeds))
         self.prompt_seconds += time.perf_counter() - t0
 
     def unfed(self, row: int, tokens: list[int]) -> int:
@@ -117,6 +133,10 @@ class DraftModelDrafter:
         siblings: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # row -> extra first tokens
         fed_all: set[int] = set()  # rows stopped by p_min: their last drafted token's K/V is written too
         feeds = [self._catch_up(r) for r in live]
+        for i, r in enumerate(live):  # a new row's prompt: its cached blocks first
+            if r.row not in self.synced and feeds[i][0] == 0 and len(feeds[i][1]) > INLINE_FEED:
+                n = self._restore(r.row, r.tokens)
+                feeds[i] = (n, r.tokens[n:])
         for_rows(self.head, live)
         starts, new = [s for s, _ in feeds], [toks for _, toks in feeds]
         long = [i for i, (_, toks) in enumerate(feeds) if len(toks) > INLINE_FEED]  # prompts, skipped steps
@@ -311,7 +331,8 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
         if n < 0 or n > spec.ngram_max:
             raise ConfigError(f"draft_lookup must be in 0..ngram_max ({spec.ngram_max}), got {n}")
         lookup = (spec.ngram_max, n) if n else None
-        return DraftModelDrafter(draft.model, spec.tree_width, vocab, reduced_head(spec, draft, vocab), p_min, lookup)
+        return DraftModelDrafter(draft.model, spec.tree_width, vocab, reduced_head(spec, draft, vocab), p_min, lookup,
+                                 prefix=getattr(draft, "prefix_cache", None))
     if draft.tokenizer is None or verifier.tokenizer is None:
         raise ConfigError(
             "the draft model's vocabulary differs from the verifier's and there are no tokenizers to bridge "

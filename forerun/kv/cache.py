@@ -136,6 +136,17 @@ class KVCache:
             raise ValueError(f"length {length} outside [0, {self.capacity}]")
         self.lengths[row] = length
 
+    def export_slots(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [lo, hi) of `row`, every layer: [layers, H_kv, hi - lo, D] each (a copy)."""
+        return torch.stack([k[row, :, lo:hi] for k in self.k]), torch.stack([v[row, :, lo:hi] for v in self.v])
+
+    def import_slots(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [layers, H_kv, n, D] at slots [lo, lo + n) of `row` (export_slots' inverse)."""
+        n = k.shape[2]
+        for layer, (kl, vl) in enumerate(zip(self.k, self.v)):
+            kl[row, :, lo : lo + n].copy_(k[layer])
+            vl[row, :, lo : lo + n].copy_(v[layer])
+
     def move(self, row: int, src_slots: list[int], dst_slots: list[int]):
         """Copy entries src -> dst in every layer (token-tree compaction of the accepted path)."""
         src = torch.tensor(src_slots, device=self.k[0].device)

@@ -121,6 +121,25 @@ class PagedKVCache:
             raise ValueError(f"length {length} outside [0, {self.capacity}]")
         self.lengths[row] = length
 
+    def _slot_index(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = torch.arange(lo, hi, device=self.tables.device)
+        return self.tables[row, slots // self.block_size], slots % self.block_size
+
+    def export_slots(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [lo, hi) of `row`, every layer: [layers, H_kv, hi - lo, D] each (a copy)."""
+        block, offset = self._slot_index(row, lo, hi)
+        # pool[block, :, offset]: [n, H, D] (advanced indices first) -> [H, n, D]
+        return (torch.stack([k[block, :, offset].transpose(0, 1) for k in self.k_pool]),
+                torch.stack([v[block, :, offset].transpose(0, 1) for v in self.v_pool]))
+
+    def import_slots(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [layers, H_kv, n, D] at slots [lo, lo + n) of `row` (through its table)."""
+        block, offset = self._slot_index(row, lo, lo + k.shape[2])
+        for layer, (kp, vp) in enumerate(zip(self.k_pool, self.v_pool)):
+            kp[block, :, offset] = k[layer].transpose(0, 1)
+            vp[block, :, offset] = v[layer].transpose(0, 1)
+        self._batch = None
+
     def move(self, row: int, src_slots: list[int], dst_slots: list[int]):
         """Copy entries src -> dst in every layer (token-tree compaction of the accepted path)."""
         table, bs = self.tables[row], self.block_size

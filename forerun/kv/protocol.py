@@ -41,5 +41,11 @@ class KVStore(Protocol):
     def truncate(self, row: int, length: int) -> None:
         """Keep slots [0, length) of `row`."""
 
+    def export_slots(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [lo, hi) of `row`, every layer: [layers, H_kv, hi - lo, D] (the prefix cache)."""
+
+    def import_slots(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [layers, H_kv, n, D] at slots [lo, lo + n) of `row`."""
+
     def move(self, row: int, src_slots: list[int], dst_slots: list[int]) -> None:
         """Copy entries src -> dst in every layer (a token tree's accepted path, compacted)."""

@@ -80,4 +80,5 @@ def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: L
                                 seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=logprobs)
     except ForerunError as e:
         raise ApiError(400, str(e)) from e
-    return ServeRequest(ids, params, wanted, request_k(body, limits), sink)
+    salt = body.cache_salt.encode() if body.cache_salt else b""
+    return ServeRequest(ids, params, wanted, request_k(body, limits), sink, cache_salt=salt)

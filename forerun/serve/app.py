@@ -66,6 +66,11 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics) 
                 "batch_k_tokens_per_s": scheduler.batch_k.table() if scheduler.batch_k else None,
                 "batch_k_steps": scheduler.batch_k.steps() if scheduler.batch_k else None}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Drop every cached prefix block (vLLM's endpoint); 200 with how many were dropped."""
+        return {"reset_blocks": scheduler.reset_prefix_cache(), "prefix_cache": scheduler.prefix is not None}
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(scheduler), media_type="text/plain; version=0.0.4")

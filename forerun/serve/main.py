@@ -50,7 +50,8 @@ def server_from_args(args, llm, spec: SpeculativeConfig):
     replica of `python -m forerun.serve.ray_app` builds its app with it too."""
     cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
                       num_blocks=args.num_blocks, paged=not args.no_paged, max_queue=args.max_queue,
-                      batch_aware=not args.no_batch_aware)
+                      batch_aware=not args.no_batch_aware, prefix_cache=False if args.no_prefix_cache else None,
+                      prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None)
     names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
     return build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names)
 

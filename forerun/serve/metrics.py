@@ -32,6 +32,10 @@ class ServeMetrics:
         self.mean_accepted_length = Gauge("forerun_mean_accepted_length", "Tokens per row per step since start (tau)", registry=r)
         self.step_time = Histogram("forerun_step_seconds", "Wall time of one scheduler step", buckets=STEP_BUCKETS, registry=r)
         self.prefill_time = Histogram("forerun_prefill_seconds", "Wall time of one admission prefill", buckets=STEP_BUCKETS, registry=r)
+        self.prefix_queried = Counter("forerun_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (whole blocks)", registry=r)
+        self.prefix_hit = Counter("forerun_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache", registry=r)
+        self.prefix_evicted = Counter("forerun_prefix_cache_evicted_tokens", "Cached tokens dropped to make room", registry=r)
+        self._prefix_seen = (0, 0, 0)
         self.latency = Histogram("forerun_request_seconds", "Admission to last token", buckets=STEP_BUCKETS + (10.0, 30.0, 60.0), registry=r)
         self._row_steps = 0  # sum over steps of the batch size
         self._emitted = 0
@@ -66,4 +70,10 @@ class ServeMetrics:
         self.queue_depth.set(scheduler.queue_depth)
         self.kv_blocks_used.set(scheduler.blocks.used)
         self.kv_blocks_total.set(scheduler.blocks.num_blocks)
+        if scheduler.prefix is not None:  # the pool's running totals, as counters
+            st = scheduler.prefix.stats
+            now = (st.queried, st.hit, st.evicted)
+            for counter, new, old in zip((self.prefix_queried, self.prefix_hit, self.prefix_evicted), now, self._prefix_seen):
+                counter.inc(new - old)
+            self._prefix_seen = now
         return generate_latest(self.registry)

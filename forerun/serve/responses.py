@@ -57,9 +57,11 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self, completion_tokens: int, last: Event | None = None) -> dict:
+        cached = last.stats.cached_tokens if last is not None and last.stats is not None else 0
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def full(self, text: str, last: Event, entries: list | None = None) -> dict:
         """The whole response; entries: every generated token's TokenLogprobs (when asked)."""
@@ -72,7 +74,7 @@ class Shape:
             text = (self.echo.text if self.echo is not None else "") + text
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             body = self._head("text_completion")
-        body.update(choices=[choice], usage=self.usage(last.completion_tokens), forerun=self.forerun(last))
+        body.update(choices=[choice], usage=self.usage(last.completion_tokens, last), forerun=self.forerun(last))
         return body
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, logprobs: list | None = None) -> str:
@@ -93,7 +95,7 @@ class Shape:
 
     def usage_chunk(self, last: Event) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body.update(choices=[], usage=self.usage(last.completion_tokens), forerun=self.forerun(last))
+        body.update(choices=[], usage=self.usage(last.completion_tokens, last), forerun=self.forerun(last))
         return sse(body)
 
     def forerun(self, last: Event) -> dict | None:

@@ -1,7 +1,8 @@
 """Continuous batching: one engine thread admits requests between steps, prefills them
 into free cache rows, steps every running row together, and lets rows leave as they end.
 
-    submit() ─► waiting (bounded) ──admit: free row + blocks──► prefill ─► running
+    submit() ─► waiting (bounded) ──admit: free row + blocks──► prefilling ─► running
+    prefilling ──one chunk of at most prefill_chunk tokens between two steps──► ... ─► running
     running ──step (engine.step per sampling group)──► tokens to each request's sink
     finished / failed / cancelled ─► row, blocks and drafter state released at once
 
@@ -9,6 +10,11 @@ Each running request is an `engine.Sequence` in its own cache row; rows keep the
 invariant cache.lengths[row] == len(tokens) - 1, so a row that joins mid-flight is exactly
 a row of a fresh generate() call. The drafter is started once for all rows and told when
 a row changes hands (`release(row)`, for drafters with per-row state).
+
+Chunked prefill: a long prompt is computed a chunk at a time between the running rows'
+steps, so a newcomer with thousands of tokens never freezes the other streams for its whole
+prefill. The forwards are batch-invariant (kernels/backend.py), so a prompt's K/V, and so
+every token after them, are the same bits chunked or whole.
 """
 from __future__ import annotations
 
@@ -21,12 +27,15 @@ import torch
 
 from forerun import engine
 from forerun.config import SpeculativeConfig
-from forerun.errors import ForerunError
+from forerun.errors import ConfigError, ForerunError
 from forerun.logprobs import with_text
 from forerun.sampling import make_generator
 from forerun.serve.batch_k import BatchK
 from forerun.kv.blocks import BlockAllocator, BlockTable
 from forerun.kv.paged import PagedKVCache
+from forerun.kv.prefix import restore
+from forerun.drafters.base import HiddenRows
+from forerun.prefill import PrefixWrite, write_prefixes
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.step import Live, step_all
 from forerun.streaming import TextStream
@@ -49,6 +58,19 @@ class ServeConfig:
     paged: bool = True  # K/V stored in the blocks (kv/paged.py), else in rows of max_len slots
     max_queue: int = 64  # waiting requests beyond which submit() raises QueueFull
     batch_aware: bool = True  # pick k (0 included) per batch size from measured throughput
+    # Automatic prefix caching (kv/prefix.py): None = on where the precision is batch-invariant
+    # (a hit never changes a token there), off elsewhere; True / False as asked.
+    prefix_cache: bool | None = None
+    prefix_cache_gb: float = 1.0  # memory the cached blocks may hold
+    # Prompt tokens computed between two decoding steps (all newcomers together); None: whole
+    # prompts at admission. ~128 tokens of the 1.5B at gguf take a decoding step's order of time.
+    prefill_chunk: int | None = 128
+
+    def __post_init__(self):
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1 token (None, or --prefill-chunk 0: whole prompts), got {self.prefill_chunk}")
+        if not self.prefix_cache_gb > 0:
+            raise ConfigError(f"prefix_cache_gb must be > 0, got {self.prefix_cache_gb}")
 
 
 class Scheduler:
@@ -68,14 +90,35 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.start(cfg.max_batch, self.capacity, self.cache)
         self.batch_k = BatchK(self.k_max) if self.spec and cfg.batch_aware else None
+        self.prefix = self._prefix_pool(cfg)
+        self._prefix_lock = threading.Lock()  # the engine thread's lookups / stores vs a reset from HTTP
         self.eos_ids = llm.eos_ids()
         self.free_rows = list(range(cfg.max_batch - 1, -1, -1))
         self.waiting: collections.deque[ServeRequest] = collections.deque()
         self.running: dict[int, Live] = {}  # row -> live sequence
+        self.prefilling: dict[int, Prefill] = {}  # row -> a newcomer whose prompt is being computed
         self.generator = make_generator(None, self.model.device)  # unseeded sampling
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="forerun-engine", daemon=True)
+
+    def _prefix_pool(self, cfg: ServeConfig):
+        """The server's prefix cache: the LLM's salt (model, precision, KV dtype), this
+        server's block size; None where it is off, or where the drafter reads the prompt's
+        hidden states (a cached prefix would leave it without them)."""
+        from forerun.kv.prefix import PrefixPool
+
+        on = self.llm.precision.batch_invariant if cfg.prefix_cache is None else cfg.prefix_cache
+        if not on or hasattr(self.drafter, "observe_hidden"):
+            return None
+        return PrefixPool(cfg.block_size, int(cfg.prefix_cache_gb * 2**30), self.llm.prefix_salt())
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block (POST /reset_prefix_cache); returns how many."""
+        if self.prefix is None:
+            return 0
+        with self._prefix_lock:
+            return self.prefix.reset()
 
     # -- the HTTP side ---------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -117,13 +160,14 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.waiting and not self.running:
+                while not self._stop and not self.waiting and not self.running and not self.prefilling:
                     self._cv.wait()
                 if self._stop:
                     break
             try:
                 self._drop_cancelled()
                 self._admit()
+                self._prefill_chunk()
                 if self.running:
                     self._step()
             except Exception as exc:  # an engine bug must not kill the server: fail the batch
@@ -136,22 +180,53 @@ class Scheduler:
         while self.free_rows and self.waiting:
             with self._cv:
                 req = self.waiting[0]
-                growth = sum(self.blocks_needed(lv.req) - len(lv.table.blocks) for lv in self.running.values())
+                growth = sum(self.blocks_needed(lv.req) - len(lv.table.blocks) for lv in self._holding())
                 growth += sum(self.blocks_needed(lv.req) - len(lv.table.blocks) for lv in new)
                 table = BlockTable(self.blocks)
                 if self.blocks.free - growth < self.blocks_needed(req) or not table.ensure(len(req.prompt) + 1):
                     break  # FIFO: wait until running sequences return blocks
                 self.waiting.popleft()
             new.append(self._make_live(req, self.free_rows.pop(), table))
-        if not new:
+        for lv in new:
+            self.prefilling[lv.seq.row] = Prefill(lv, self._restore(lv))
+
+    def _holding(self):
+        """Every admitted sequence: running, or still prefilling."""
+        return [*self.running.values(), *(p.live for p in self.prefilling.values())]
+
+    @torch.inference_mode()
+    def _prefill_chunk(self) -> None:
+        """Compute the next prompt tokens of the prefilling rows (at most prefill_chunk in all,
+        oldest first; every row's whole prompt when prefill_chunk is None); a row whose prompt
+        is done joins the running ones."""
+        if not self.prefilling:
             return
         t0 = time.perf_counter()
-        engine.prefill(self.model, self.cache, [lv.seq for lv in new], self.drafter)
-        for lv in new:
-            lv.seq.stats.prefill_time = time.perf_counter() - t0
-            self.running[lv.seq.row] = lv
+        budget = self.cfg.prefill_chunk or sum(p.left for p in self.prefilling.values())
+        writes = []
+        for p in self.prefilling.values():
+            n = min(p.left, budget)
+            if n <= 0:
+                continue
+            writes.append((p, n))
+            budget -= n
+        sink = getattr(self.drafter, "observe_hidden", None)
+        on_hidden = None if sink is None else lambda w, h: sink([HiddenRows(w.row, w.start, h)])
+        write_prefixes(self.model, self.cache, [PrefixWrite(p.live.seq.row, p.done, p.live.seq.tokens[p.done : p.done + n])
+                                                       for p, n in writes], on_hidden=on_hidden)
+        dt = time.perf_counter() - t0
+        for p, n in writes:
+            p.done += n
+            p.live.seq.stats.prefill_chunks += 1
+            p.live.seq.stats.prefill_time += dt
+            self.cache.truncate(p.live.seq.row, p.done)
+        for row, p in list(self.prefilling.items()):
+            if p.left == 0:
+                self.cache.truncate(row, p.done)  # (a wholly cached prompt computed nothing)
+                del self.prefilling[row]
+                self.running[row] = p.live
         if self.metrics:
-            self.metrics.on_prefill(sum(len(lv.seq.tokens) for lv in new), time.perf_counter() - t0)
+            self.metrics.on_prefill(sum(n for _, n in writes), dt)
 
     def _make_live(self, req: ServeRequest, row: int, table: BlockTable) -> Live:
         release = getattr(self.drafter, "release", None)
@@ -187,9 +262,32 @@ class Scheduler:
         if self.metrics:
             self.metrics.on_step(len(lives), dt, drafted, accepted)
 
+    def _restore(self, lv: Live) -> int:
+        """Copy the cached blocks that start this sequence into its row; the tokens they cover."""
+        if self.prefix is None:
+            return 0
+        with self._prefix_lock:
+            n = restore(self.prefix.lookup(lv.seq.tokens, lv.req.cache_salt), self.cache, lv.seq.row)
+        lv.seq.stats.cached_tokens = n
+        return n
+
+    def _keep(self, lv: Live) -> None:
+        """Store the whole blocks the row computed (prompt and answer: the next turn resends both),
+        and the drafter's own (a draft model's cache) where it keeps them."""
+        retire = getattr(self.drafter, "retire", None)
+        if retire is not None:
+            retire(lv.seq.row, lv.seq.tokens)
+        if self.prefix is not None:
+            row = lv.seq.row
+            with self._prefix_lock:
+                self.prefix.store(lv.seq.tokens, self.cache, row, self.cache.lengths[row], lv.req.cache_salt)
+
     def _finish(self, lv: Live, last: Event) -> None:
         """Release the row and its blocks, then tell the consumer (exactly once)."""
+        if last.error is None and lv.seq.row not in self.prefilling:
+            self._keep(lv)
         self.running.pop(lv.seq.row, None)
+        self.prefilling.pop(lv.seq.row, None)
         lv.table.release()
         self.sync_table(lv.seq.row, [])
         self.free_rows.append(lv.seq.row)
@@ -211,16 +309,29 @@ class Scheduler:
                 self.waiting.remove(r)
         for r in gone:
             r.sink(Event(finish_reason="cancelled"))
-        for lv in [lv for lv in self.running.values() if lv.req.cancelled.is_set()]:
+        for lv in [lv for lv in self._holding() if lv.req.cancelled.is_set()]:
             self._finish(lv, Event(finish_reason="cancelled"))
 
     def _fail_all(self, message: str) -> None:
-        for lv in list(self.running.values()):
+        for lv in self._holding():
             self._finish(lv, Event(error=message))
         with self._cv:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for r in waiting:
             r.sink(Event(error=message))
+
+
+@dataclass
+class Prefill:
+    """A newcomer whose prompt is computed a chunk at a time (its K/V for tokens[:done])."""
+
+    live: Live
+    done: int  # prompt tokens with K/V (the prefix cache's, then the chunks computed)
+
+    @property
+    def left(self) -> int:
+        """Tokens still to compute: every prompt token but the last (the first step feeds it)."""
+        return len(self.live.seq.tokens) - 1 - self.done
 
 
 def _new_logprobs(lv: Live) -> list | None:

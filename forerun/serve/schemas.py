@@ -46,6 +46,9 @@ class Sampling(Strict):
     presence_penalty: Literal[0, 0.0] = 0.0
     frequency_penalty: Literal[0, 0.0] = 0.0
     speculative: SpeculativeOptions | None = None
+    # vLLM's field: the tenant's part of the prefix-cache keys; requests with another salt (or
+    # none) never reuse this one's cached blocks.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("presence_penalty", "frequency_penalty", mode="before")
     @classmethod

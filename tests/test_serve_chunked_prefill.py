@@ -1,0 +1,61 @@
+"""Chunked prefill: a long prompt is computed a chunk at a time between the running rows'
+steps, and its output equals the whole-prompt prefill's, bit for bit (the forwards are
+batch-invariant). Asserts the mechanism ran (two or more chunks) and that a running stream
+kept stepping while the newcomer's chunks were computed."""
+import threading
+
+import pytest
+
+from forerun.kernels import loader as kernel_loader
+from forerun.serve.request import ServeRequest
+from forerun.config import SamplingParams
+from tests.serve_util import tiny_server, wait_idle
+
+pytestmark = pytest.mark.skipif(kernel_loader.load() is None, reason="needs the compiled kernels (batch-invariant)")
+LONG = [(3 * i * i + 7 * i + 1) % 61 + 1 for i in range(150)]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def run(sched, prompt: list[int], max_new: int = 20):
+    """Submit one request; returns (token ids, stats) once it finishes."""
+    done, box = threading.Event(), {}
+
+    def sink(ev):
+        if ev.finish_reason or ev.error:
+            box["ev"] = ev
+            done.set()
+
+    sched.submit(ServeRequest(list(prompt), GREEDY, max_new, 0, sink))
+    return done, box
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_a_chunked_prompt_gives_the_whole_prompts_tokens(dtype):
+    with tiny_server(dtype, k=0, prefill_chunk=16, prefix_cache=False) as chunked, \
+            tiny_server(dtype, k=0, prefill_chunk=None, prefix_cache=False) as whole:
+        a_done, a = run(chunked.scheduler, LONG)
+        b_done, b = run(whole.scheduler, LONG)
+        assert a_done.wait(60) and b_done.wait(60)
+        assert a["ev"].token_ids == b["ev"].token_ids
+        assert a["ev"].stats.prefill_chunks == -(-(len(LONG) - 1) // 16) >= 2
+        assert b["ev"].stats.prefill_chunks == 1
+
+
+def test_running_streams_keep_stepping_while_a_newcomer_prefills():
+    with tiny_server("int8", k=0, prefill_chunk=8, prefix_cache=False) as s:
+        sched, steps_during = s.scheduler, []
+        first_done, first = run(sched, [5, 6, 7], max_new=120)
+        while not sched.running:  # the first stream is decoding
+            pass
+        step = sched._step
+
+        def counted():
+            if sched.prefilling:
+                steps_during.append(1)
+            step()
+
+        sched._step = counted
+        late_done, late = run(sched, LONG)
+        assert late_done.wait(60) and first_done.wait(60)
+        wait_idle(sched)
+        assert late["ev"].stats.prefill_chunks >= 2 and len(steps_during) >= 2
