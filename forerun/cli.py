@@ -232,7 +232,7 @@ def cmd_tune_skip(args) -> int:
 
     if min(args.confirm, args.k, args.limit, args.max_new_tokens) < 1:
         raise ForerunError("--confirm, --k, --limit and --max-new-tokens must be >= 1")
-    llm = LLM(model=args.model, dtype=args.dtype, speculative=None)
+    llm = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False)
     prompts = [p for p in load_prompts(args.prompts, data_dir=args.data_dir) if p.id not in SPEC_BENCH_OVERLAP][: args.limit]
     ids = [prompt_ids(llm, p) for p in prompts]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)

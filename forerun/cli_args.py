@@ -156,10 +156,13 @@ def configs(args):
     return params, spec
 
 
-def load_llm(args, spec):
+def load_llm(args, spec, prefix_cache: bool | None = False):
+    """The verifier the flags name. prefix_cache: False for the commands that time or compare runs
+    of the same prompts (a later run would read an earlier one's blocks); None (its default: on
+    where a hit is exact) for `serve`, whose draft model then keeps its blocks too."""
     from forerun.llm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, speculative=spec)
+    return LLM(model=args.model, dtype=args.dtype, speculative=spec, enable_prefix_caching=prefix_cache)
 
 
 def in_flags(message: str, parser: argparse.ArgumentParser) -> str:

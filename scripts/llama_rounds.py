@@ -74,8 +74,8 @@ def main() -> int:
         lookup = parts[2] if len(parts) > 2 else "0"
         draft_dtype = parts[3] if len(parts) > 3 else args.draft_dtype
         if draft_dtype not in drafts:
-            drafts[draft_dtype] = LLM(model=args.draft_model, dtype=draft_dtype, progress=False)
-        llm = LLM(model=args.model, dtype=dtype, progress=False)  # each config its own (an LLM keeps one drafter)
+            drafts[draft_dtype] = LLM(model=args.draft_model, dtype=draft_dtype, progress=False, enable_prefix_caching=False)
+        llm = LLM(model=args.model, dtype=dtype, progress=False, enable_prefix_caching=False)  # each config its own (an LLM keeps one drafter)
         options = {"draft_vocab": args.draft_vocab, **({"draft_lookup": int(lookup)} if int(lookup) else {})}
         spec = SpeculativeConfig(method="draft_model", draft_model=drafts[draft_dtype],
                                  num_speculative_tokens=k if k == "auto" else int(k), options=options)

@@ -177,8 +177,14 @@ def _forerun_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argu
 
 
 def _source_flags(program: str) -> set[str]:
+    """The flags a script or module takes: its own parser's where it has a `build_parser()` (a
+    parser built from shared functions, as ray_app's from serve's), else the flags its source names."""
     path = ROOT / (program if program.endswith(".py") else program.replace(".", "/") + ".py")
     assert path.exists(), f"no {program} ({path})"
+    if not program.endswith(".py") and "def build_parser(" in _text(path):
+        import importlib
+
+        return set(importlib.import_module(program).build_parser()._option_string_actions)
     return set(re.findall(r"[\"'](--[a-z][a-z0-9-]*)[\"']", _text(path))) | {"--help"}
 
 

@@ -149,7 +149,7 @@ def cmd_bench(args) -> int:
 
     params, _ = configs(_plain(args))
     specs = specs_from(args)
-    verifier = LLM(model=args.model, dtype=args.dtype, speculative=None)
+    verifier = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False)
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
     workloads = workloads_from(verifier, sets, args.limit, args.data_dir)
     if args.vs:
@@ -282,7 +282,7 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
     from forerun.llm import LLM
 
     params, _ = configs(_plain(args))
-    verifier = LLM(model=model, dtype=dtype, speculative=None, progress=False)
+    verifier = LLM(model=model, dtype=dtype, speculative=None, progress=False, enable_prefix_caching=False)
     if sigma:
         try:
             perturb_(verifier.model, sigma, seed=args.seed)

@@ -35,7 +35,7 @@ def cmd_compare(args) -> int:
     if not spec.enabled:
         raise ForerunError("compare needs a speculative method and --k >= 1")
     prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)
-    llm = LLM(model=args.model, dtype=args.dtype, speculative=None)
+    llm = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False)
     work = Workload(args.prompts, [(p.id, prompt_ids(llm, p)) for p in prompts])
     report = {"prompts": args.prompts, "dtype": llm.dtype, "max_new_tokens": params.max_tokens,
               "temperature": params.temperature, **run_compare(llm, work, params, spec)}

@@ -61,9 +61,11 @@ def make_methods(verifier: LLM, specs: list[SpeculativeConfig], labels: list[str
         if spec.method == "draft_model" and isinstance(spec.draft_model, str):  # (medusa / eagle: a head folder)
             key = (spec.draft_model, spec.draft_dtype or verifier.dtype)
             if key not in drafts:
-                drafts[key] = LLM(model=spec.draft_model, dtype=key[1], speculative=None, progress=False)
+                drafts[key] = LLM(model=spec.draft_model, dtype=key[1], speculative=None, progress=False,
+                                  enable_prefix_caching=False)  # (runs of the same prompts are timed)
             spec = dataclasses.replace(spec, draft_model=drafts[key])
-        wrapper = LLM(model=verifier.model, dtype=verifier.dtype, tokenizer=verifier.tokenizer, speculative=spec)
+        wrapper = LLM(model=verifier.model, dtype=verifier.dtype, tokenizer=verifier.tokenizer, speculative=spec,
+                      enable_prefix_caching=False)
         wrapper.name, wrapper.source = verifier.name, verifier.source  # same weights: layer-skip profiles key on the name
         out.append(Method(label, spec, wrapper))
     return out

@@ -318,7 +318,9 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
         draft = src
     else:  # loaded as the verifier was (its class: forerun.llm.LLM), so drafters never import the LLM
         dtype = spec.draft_dtype or named_draft_dtype(verifier)
-        draft = type(verifier)(model=src, dtype=dtype, speculative=None, device=verifier.model.device)
+        # (its prefix cache on where the verifier's is: off for the tools that time repeated runs)
+        draft = type(verifier)(model=src, dtype=dtype, speculative=None, device=verifier.model.device,
+                               enable_prefix_caching=None if getattr(verifier, "prefix_cache", None) is not None else False)
         spec = with_named_defaults(spec, draft.model.config.vocab_size)
     if draft.model.device != verifier.model.device:
         raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")

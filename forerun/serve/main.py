@@ -34,7 +34,7 @@ def cmd_serve(args) -> int:
 
     _, spec = configs(args)
     sock = reserve_port(args.host, args.port)  # a port in use fails now, not after the model loads
-    llm = load_llm(args, spec)
+    llm = load_llm(args, spec, prefix_cache=None)
     app = server_from_args(args, llm, spec)
     st = app.state
     print(f"forerun serve: {st.limits.model_names[0]} ({llm.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "

@@ -47,7 +47,7 @@ def build_replica_app(args: argparse.Namespace):
 
     torch.set_num_threads(args.threads)
     _, spec = configs(args)
-    llm = load_llm(args, spec)
+    llm = load_llm(args, spec, prefix_cache=None)
     app = server_from_args(args, llm, spec)
     print(f"forerun replica: {app.state.limits.model_names[0]} ({llm.dtype}), method {app.state.limits.method or 'none'} "
           f"k={app.state.limits.k_max}, {args.threads} thread(s)", file=sys.stderr, flush=True)

@@ -1,0 +1,114 @@
+"""The same request through `LLM.generate` and through `forerun serve`, alternated in one
+process: decode tok/s and time to first token (prefill) of each, so the server's cost over
+the library shows at agent-sized contexts.
+
+    python scripts/serve_vs_llm.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --context 2048
+
+The prompt is a chat turn holding a standard-library module's source, cut to --context tokens;
+the server runs in this process (uvicorn in a thread, the same LLM object), with its defaults
+(paged KV, prefix cache on, batch-aware k) unless --no-paged / --no-prefix-cache say otherwise.
+Greedy, --max-tokens new tokens; the library's figures come from its stats (prefill_time,
+decode_time), the server's from the stream (TTFT, then the rest of the tokens over the rest of
+the time).
+"""
+import argparse
+import difflib
+import json
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.llm import LLM
+from forerun.serve.main import build_server
+from forerun.serve.scheduler import ServeConfig
+
+
+def prompt_messages(llm: LLM, context: int) -> list[dict]:
+    source = Path(difflib.__file__).read_text()
+    ids = llm.tokenizer.encode(source)[: max(16, context - 40)]
+    return [{"role": "user", "content": "Here is a file:\n" + llm.decode(ids) + "\nExplain what its first class does."}]
+
+
+def via_llm(llm: LLM, messages, params, spec) -> dict:
+    out = llm.chat(messages, params, speculative=spec)[0]
+    s = out.stats
+    return {"ttft_s": s.prefill_time, "decode_tok_s": (s.generated - 1) / s.decode_time if s.decode_time else 0.0,
+            "tokens": s.generated, "tau": s.mean_accepted_length, "text": out.text}
+
+
+def via_server(url: str, messages, max_tokens: int) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with httpx.Client(base_url=url, timeout=3600) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and first is None:
+                        first = time.perf_counter() - t0
+                    text.append(piece)
+    total = time.perf_counter() - t0
+    n = usage.get("completion_tokens", 0)
+    return {"ttft_s": first, "decode_tok_s": (n - 1) / (total - first) if n > 1 else 0.0, "tokens": n,
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"), "text": "".join(text)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dtype", default="gguf")
+    ap.add_argument("--draft-model", default=None, help="a draft model (draft_model, k --k); none: plain decoding")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-paged", action="store_true")
+    ap.add_argument("--no-prefix-cache", action="store_true")
+    args = ap.parse_args()
+    spec = None
+    if args.draft_model:
+        spec = SpeculativeConfig("draft_model", args.k, draft_model=args.draft_model, draft_dtype="int4",
+                                 options={"draft_lookup": 1})
+    llm = LLM(args.model, dtype=args.dtype, speculative=spec, progress=False, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    messages = prompt_messages(llm, args.context)
+    cfg = ServeConfig(max_batch=4, max_len=args.context + args.max_tokens + 64, paged=not args.no_paged,
+                      prefix_cache=False if args.no_prefix_cache else None)
+    app = build_server(llm, spec, cfg, default_max_tokens=args.max_tokens)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    rows = {"llm": [], "serve": []}
+    try:
+        for r in range(args.rounds):
+            for side in ("llm", "serve")[:: 1 if r % 2 == 0 else -1]:
+                if side == "serve":
+                    app.state.scheduler.reset_prefix_cache()  # each round cold: the prompt is the same
+                got = via_llm(llm, messages, params, spec) if side == "llm" else via_server(url, messages, args.max_tokens)
+                rows[side].append(got)
+                print(json.dumps({"round": r, "side": side, **{k: v for k, v in got.items() if k != "text"}}), flush=True)
+    finally:
+        server.should_exit = True
+    same = all(a["text"] == b["text"] for a, b in zip(rows["llm"], rows["serve"]))
+    for side, got in rows.items():
+        print(f"{side:5s}: decode {statistics.median(g['decode_tok_s'] for g in got):6.2f} tok/s, "
+              f"TTFT {statistics.median(g['ttft_s'] for g in got):6.2f} s")
+    ratio = statistics.median(g["decode_tok_s"] for g in rows["serve"]) / statistics.median(g["decode_tok_s"] for g in rows["llm"])
+    print(f"serve / llm decode: {ratio:.3f}; same text: {same}; context {args.context} tokens")
+
+
+if __name__ == "__main__":
+    main()
