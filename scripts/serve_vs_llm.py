@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from forerun.bench.sessions import stream_chat
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
 from forerun.serve.main import build_server
@@ -43,23 +44,9 @@ def via_llm(llm: LLM, messages, params, spec) -> dict:
 
 
 def via_server(url: str, messages, max_tokens: int) -> dict:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0, first, text, usage = time.perf_counter(), None, [], {}
-    with httpx.Client(base_url=url, timeout=3600) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    if piece and first is None:
-                        first = time.perf_counter() - t0
-                    text.append(piece)
-    total = time.perf_counter() - t0
-    n = usage.get("completion_tokens", 0)
-    return {"ttft_s": first, "decode_tok_s": (n - 1) / (total - first) if n > 1 else 0.0, "tokens": n,
-            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"), "text": "".join(text)}
+    with httpx.Client(base_url=url, timeout=3600) as client:
+        t = stream_chat(client, messages, max_tokens)
+    return {"ttft_s": t.ttft, "decode_tok_s": t.decode_tok_s, "tokens": t.tokens, "cached": t.cached_tokens, "text": t.text}
 
 
 def main() -> None:

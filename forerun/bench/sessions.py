@@ -102,7 +102,9 @@ class Turn:
         return (self.tokens - 1) / (self.seconds - self.ttft) if self.tokens > 1 and self.seconds > self.ttft else 0.0
 
 
-def play_turn(client: httpx.Client, messages: list[dict], max_tokens: int) -> Turn:
+def stream_chat(client: httpx.Client, messages: list[dict], max_tokens: int) -> Turn:
+    """One greedy chat completion, streamed: its time to first token, whole time, text and the
+    server's usage (completion, prompt and cached prompt tokens)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0, first, text, usage = time.perf_counter(), None, [], {}
@@ -132,7 +134,7 @@ def play(url: str, session: Session, max_tokens: int) -> list[Turn]:
         for ask in session.asks:
             messages = messages + [{"role": "user", "content": ask}] if turns else messages[:-1] + [
                 {"role": "user", "content": messages[-1]["content"] + "\n\n" + ask}]
-            turn = play_turn(client, messages, max_tokens)
+            turn = stream_chat(client, messages, max_tokens)
             turns.append(turn)
             messages = messages + [{"role": "assistant", "content": turn.text}]
     return turns
