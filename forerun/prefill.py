@@ -8,7 +8,10 @@ import torch
 
 from forerun.kv.cache import KVCache, chain_batch
 
-PREFILL_TOKEN_BUDGET = 4096  # padded tokens (rows x longest) per forward: bounds the mask and activations
+# Padded tokens (rows x longest) per forward: bounds the mask and activations. Small forwards keep
+# their activations in cache, and the forwards are batch-invariant, so the bits are the same in any
+# size: `python scripts/prefill_rate.py --budgets 128,4096` compares them (docs/results.md).
+PREFILL_TOKEN_BUDGET = 128
 
 
 @dataclass

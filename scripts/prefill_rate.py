@@ -5,7 +5,9 @@ in one process so the machine's drift hits both alike.
     python scripts/prefill_rate.py --model qwen2.5-coder-1.5b --dtype gguf --tokens 512,2048 --rounds 3
 
 Prints, per length, the median seconds and tok/s of each path and their ratio. The prompt is
-text of the Python standard library (difflib.py, repeated as needed), tokenized.
+text of the Python standard library (difflib.py, repeated as needed), tokenized. With --budgets
+(e.g. 128,4096) it compares instead the forward sizes the prefill is cut into (prefill.write_prefixes'
+budget), the per-query path throughout.
 """
 import argparse
 import dataclasses
@@ -18,6 +20,7 @@ import torch
 
 from forerun.kv.cache import chain_batch
 from forerun.llm import LLM
+from forerun.prefill import PrefixWrite, write_prefixes
 
 
 def prefill_seconds(model, ids: list[int]) -> float:
@@ -28,12 +31,32 @@ def prefill_seconds(model, ids: list[int]) -> float:
     return time.perf_counter() - start
 
 
+def budget_seconds(model, ids: list[int], budget: int) -> float:
+    cache = model.new_cache(1, len(ids) + 1)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        write_prefixes(model, cache, [PrefixWrite(0, 0, ids)], budget=budget)
+    return time.perf_counter() - start
+
+
+def compare_budgets(model, ids: list[int], lengths: list[int], budgets: list[int], rounds: int) -> None:
+    for n in lengths:
+        times = {b: [] for b in budgets}
+        for r in range(rounds):
+            for b in budgets[:: 1 if r % 2 == 0 else -1]:
+                times[b].append(budget_seconds(model, ids[:n], b))
+        line = " | ".join(f"forwards of {b}: {statistics.median(t):7.2f} s ({n / statistics.median(t):6.1f} tok/s)"
+                          for b, t in times.items())
+        print(f"{n:6d} tokens: {line}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", default="gguf")
     ap.add_argument("--tokens", default="512,2048")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budgets", default=None, help="comma-separated forward sizes to compare instead")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, progress=False)
     model = llm.model
@@ -44,6 +67,9 @@ def main() -> None:
         raise SystemExit(f"{args.model} at {args.dtype} does not run on forerun's kernels: nothing to compare")
     sdpa = dataclasses.replace(per_query, prefill_sdpa=True)
     print(f"{args.model} at {args.dtype}, {torch.get_num_threads()} threads")
+    if args.budgets:
+        return compare_budgets(model, ids, [int(t) for t in args.tokens.split(",")],
+                               [int(b) for b in args.budgets.split(",")], args.rounds)
     for n in [int(t) for t in args.tokens.split(",")]:
         prompt = ids[:n]
         times = {"per-query": [], "sdpa": []}
