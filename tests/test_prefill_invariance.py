@@ -73,3 +73,16 @@ def test_a_batch_of_long_and_short_rows_gives_each_its_alone_bits():
         out = model(chain_batch(prompts, [0, 0, 0], [0, 1, 2], model.device), cache)
     for i, p in enumerate(prompts):
         assert torch.equal(out.logits[i, len(p) - 1], alone[i])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_gemmas_masked_layers_give_a_prompt_the_same_bits_whole_chunked_and_decoded(dtype):
+    """Gemma 3's layers (sliding windows among them) attend through the masked per-query kernel,
+    a prompt's rows too: whole, chunked and decoded prefills give the same K, V and logits."""
+    from tests.test_gemma3_invariance import _model as gemma
+
+    model = gemma(dtype)
+    ids = [(5 * i + 3) % 60 + 1 for i in range(100)]  # past WIDE_ROWS and the tiny model's window
+    whole = run(model, ids, [100])
+    assert_same(whole, run(model, ids, [64, 36]))
+    assert_same(whole, run(model, ids, [70] + [1] * 30))
