@@ -1,0 +1,82 @@
+"""How long a running stream waits between tokens while a long prompt arrives: chunked prefill
+(`--prefill-chunk`) against whole prompts at admission, one server in this process each.
+
+    python scripts/prefill_gap.py --model qwen2.5-coder-1.5b --tokens 1024 --chunks 0,128
+
+Stream A (a short prompt, --max-tokens new tokens, greedy) starts; once it has streamed 8 tokens
+a newcomer B with a --tokens-token prompt (a standard-library module's source) is sent. Prints A's
+gaps between streamed chunks: the median, the 99th percentile and the largest, per chunk size
+(0: whole prompts).
+"""
+import argparse
+import difflib
+import json
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from forerun.bench.loadgen import percentile
+from forerun.llm import LLM
+from forerun.serve.main import build_server
+from forerun.serve.scheduler import ServeConfig
+
+
+def serve(app):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def gaps_under_newcomer(url: str, newcomer: str, max_tokens: int) -> list[float]:
+    """A's gaps between streamed chunks, B sent after A's 8th chunk."""
+    body = {"messages": [{"role": "user", "content": "Count from 1 to 200, one number a line."}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    late = {"messages": [{"role": "user", "content": newcomer}], "max_tokens": 4, "temperature": 0}
+    stamps, sender = [], None
+    with httpx.Client(base_url=url, timeout=3600) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {") or not json.loads(line[6:])["choices"]:
+                continue
+            stamps.append(time.perf_counter())
+            if len(stamps) == 8:
+                sender = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=late, timeout=3600))
+                sender.start()
+    sender.join()
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dtype", default="gguf")
+    ap.add_argument("--tokens", type=int, default=1024, help="the newcomer's prompt tokens")
+    ap.add_argument("--chunks", default="0,128", help="comma-separated --prefill-chunk values (0: whole prompts)")
+    ap.add_argument("--max-tokens", type=int, default=160, help="stream A's new tokens")
+    args = ap.parse_args()
+    llm = LLM(args.model, dtype=args.dtype, progress=False, enable_prefix_caching=False)
+    ids = llm.tokenizer.encode(Path(difflib.__file__).read_text())[: args.tokens]
+    newcomer = llm.decode(ids)
+    for chunk in [int(c) for c in args.chunks.split(",")]:
+        cfg = ServeConfig(max_batch=2, max_len=args.tokens + 256, prefill_chunk=chunk or None, prefix_cache=False)
+        server, url = serve(build_server(llm, None, cfg, default_max_tokens=args.max_tokens))
+        try:
+            gaps = gaps_under_newcomer(url, newcomer, args.max_tokens)
+        finally:
+            server.should_exit = True
+            time.sleep(1)
+        print(f"--prefill-chunk {chunk}: stream A's gaps median {statistics.median(gaps):.3f} s, "
+              f"p99 {percentile(gaps, 0.99):.2f} s, max {max(gaps):.2f} s ({len(gaps)} gaps, newcomer {len(ids)} tokens)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
