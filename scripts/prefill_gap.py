@@ -11,29 +11,18 @@ gaps between streamed chunks: the median, the 99th percentile and the largest, p
 import argparse
 import difflib
 import json
-import socket
 import statistics
 import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
+from forerun.bench.launch import serve_in_thread
 from forerun.bench.loadgen import percentile
 from forerun.llm import LLM
 from forerun.serve.main import build_server
 from forerun.serve.scheduler import ServeConfig
-
-
-def serve(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def gaps_under_newcomer(url: str, newcomer: str, max_tokens: int) -> list[float]:
@@ -67,7 +56,7 @@ def main() -> None:
     newcomer = llm.decode(ids)
     for chunk in [int(c) for c in args.chunks.split(",")]:
         cfg = ServeConfig(max_batch=2, max_len=args.tokens + 256, prefill_chunk=chunk or None, prefix_cache=False)
-        server, url = serve(build_server(llm, None, cfg, default_max_tokens=args.max_tokens))
+        server, url = serve_in_thread(build_server(llm, None, cfg, default_max_tokens=args.max_tokens))
         try:
             gaps = gaps_under_newcomer(url, newcomer, args.max_tokens)
         finally:

@@ -14,15 +14,12 @@ the time).
 import argparse
 import difflib
 import json
-import socket
 import statistics
-import threading
-import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
+from forerun.bench.launch import serve_in_thread
 from forerun.bench.sessions import stream_chat
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
@@ -71,13 +68,7 @@ def main() -> None:
     cfg = ServeConfig(max_batch=4, max_len=args.context + args.max_tokens + 64, paged=not args.no_paged,
                       prefix_cache=False if args.no_prefix_cache else None)
     app = build_server(llm, spec, cfg, default_max_tokens=args.max_tokens)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server, url = serve_in_thread(app)
     rows = {"llm": [], "serve": []}
     try:
         for r in range(args.rounds):

@@ -83,3 +83,20 @@ class Launched:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_in_thread(app):
+    """An ASGI app served by uvicorn in a daemon thread of this process, on a free loopback port:
+    (the uvicorn server, its URL); `server.should_exit = True` stops it."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
