@@ -17,7 +17,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv.cache import KVCache, chain_batch, tree_batch
-from forerun.kv.prefix import PrefixPool, restore
+from forerun.kv.prefix import PrefixPool
 from forerun.logprobs import sequence_logprobs
 from forerun.metrics import SpecStats
 from forerun.prefill import PrefixWrite, write_prefixes
@@ -79,7 +79,7 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     t0 = time.perf_counter()
     starts = [0] * len(seqs)
     if job.prefix is not None:  # K/V of cached whole blocks copied in; prefill computes the rest
-        starts = [restore(job.prefix.lookup(s.tokens, job.cache_salt), cache, s.row) for s in seqs]
+        starts = [job.prefix.read(s.tokens, cache, s.row, job.cache_salt) for s in seqs]
         for s, n in zip(seqs, starts):
             s.stats.cached_tokens = n
     prefill(model, cache, seqs, drafter, starts)
@@ -92,12 +92,12 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
         step(model, cache, active, job, generator)
         active = [s for s in active if s.finish_reason is None]
     t_decode = time.perf_counter() - t0 - t_prefill
+    retire = getattr(drafter, "retire", None)  # (a draft model keeps its own cache's blocks)
     for s in seqs:
         s.stats.prefill_time, s.stats.decode_time = t_prefill, t_decode
         if job.prefix is not None:  # the answer's blocks too: the next turn resends it
             job.prefix.store(s.tokens, cache, s.row, cache.lengths[s.row], job.cache_salt)
-        retire = getattr(drafter, "retire", None)
-        if retire is not None:  # (a draft model keeps its own cache's blocks)
+        if retire is not None:
             retire(s.row, s.tokens)
     return seqs
 
@@ -114,13 +114,19 @@ def prefill(model, cache: KVCache, seqs: list[Sequence], drafter: Drafter | None
     """Write K/V for every prompt token but the last (the first step feeds that one), from
     slot starts[i] on (the slots before hold cached K/V); a drafter with `observe_hidden`
     gets the hidden states of the tokens computed (HiddenRows)."""
-    sink = getattr(drafter, "observe_hidden", None)
-    on_hidden = None if sink is None else lambda p, h: sink([HiddenRows(p.row, p.start, h)])
     starts = starts or [0] * len(seqs)
-    write_prefixes(model, cache, [PrefixWrite(s.row, a, s.tokens[a:-1]) for s, a in zip(seqs, starts)
-                                  if len(s.tokens) - 1 > a], on_hidden=on_hidden)
+    write_known(model, cache, [PrefixWrite(s.row, a, s.tokens[a:-1]) for s, a in zip(seqs, starts)
+                               if len(s.tokens) - 1 > a], drafter)
     for s in seqs:
         cache.truncate(s.row, len(s.tokens) - 1)
+
+
+def write_known(model, cache: KVCache, writes: list[PrefixWrite], drafter: Drafter | None = None):
+    """K/V for known tokens (prompts, or chunks of them: the server's chunked prefill); a
+    drafter with `observe_hidden` gets their hidden states (HiddenRows)."""
+    sink = getattr(drafter, "observe_hidden", None)
+    on_hidden = None if sink is None else lambda p, h: sink([HiddenRows(p.row, p.start, h)])
+    write_prefixes(model, cache, writes, on_hidden=on_hidden)
 
 
 def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, generator):

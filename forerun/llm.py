@@ -87,7 +87,7 @@ class LLM:
             self.dtype = self.precision.name
             self.model = load_model(folder, self.precision)
         self.speculative = speculative
-        self.prefix_cache = self._prefix_pool(enable_prefix_caching, prefix_cache_gb)
+        self.prefix_cache = self.new_prefix_pool(enable_prefix_caching, prefix_cache_gb)
         self._drafter_cache: tuple[SpeculativeConfig, Drafter] | None = None
         self._cost_curves: dict[int, tuple[list[float], float]] = {}  # k_max -> (verify cost [k_max + 1], 1-token s)
 
@@ -186,8 +186,10 @@ class LLM:
             budgets.append(min(params.max_tokens, room))
         return budgets
 
-    def _prefix_pool(self, enable: bool | None, gb: float):
-        """The prefix cache (kv/prefix.py), or None: on by default where hits are bit-exact."""
+    def new_prefix_pool(self, enable: bool | None, gb: float, block_size: int = 16):
+        """A prefix cache (kv/prefix.py) for this model, or None where it is off: enable None
+        means on where hits are bit-exact (the precision is batch-invariant). LLM keeps one
+        across generate calls; the server makes its own at its block size."""
         from forerun.kv.prefix import PrefixPool
 
         if enable is None:
@@ -196,7 +198,7 @@ class LLM:
             return None
         if not gb > 0:
             raise ConfigError(f"prefix_cache_gb must be > 0, got {gb!r}")
-        return PrefixPool(block_size=16, max_bytes=int(gb * 2**30), salt=self.prefix_salt())
+        return PrefixPool(block_size=block_size, max_bytes=int(gb * 2**30), salt=self.prefix_salt())
 
     def prefix_salt(self) -> bytes:
         """What every prefix-cache key of this model carries: the model, its precision, the KV dtype."""

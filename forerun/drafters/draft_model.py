@@ -29,7 +29,6 @@ from forerun.errors import ConfigError
 from forerun.kv.cache import KVCache, chain_batch
 from forerun.prefill import feed_all_but_last
 from forerun.sampling import draw, sample_many
-from forerun.kv.prefix import restore
 
 
 # A drafting step's usual catch-up, the last draft token and the bonus token after a fully
@@ -81,9 +80,7 @@ class DraftModelDrafter:
 
     def _restore(self, row: int, tokens: list[int]) -> int:
         """Copy the cached blocks that start a new row's tokens into the draft cache; their count."""
-        if self.prefix is None:
-            return 0
-        return restore(self.prefix.lookup(tokens), self.cache, row)
+        return self.prefix.read(tokens, self.cache, row) if self.prefix is not None else 0
 
     def release(self, row: int) -> None:
         """A new sequence takes this row (the server's continuous batching)."""

@@ -24,7 +24,7 @@ falls back to torch instead of handing the kernels the wrong bytes.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -148,7 +148,7 @@ class CpuKernels(TorchBackend):
             if None not in bound:
                 a = layers[0].self_attn
                 stack = self.kernel.LayerStack([k for four in bound for k in four], a.nh, a.nkv, a.hd**-0.5)
-        return _with(self, stack=stack)
+        return dataclasses.replace(self, stack=stack)
 
     def layer_stack(self, model, x, cos, sin, batch, cache):
         if self.stack is None or not self.few_tokens(x, batch, cache):
@@ -226,14 +226,7 @@ class CpuKernels(TorchBackend):
     def __deepcopy__(self, memo) -> CpuKernels:
         """A deep copy of a model runs layer by layer until its own stack is bound (the stack
         holds the original's linears); the extension module is shared, never copied."""
-        return _with(self, stack=None)
-
-
-def _with(backend: CpuKernels, **changes) -> CpuKernels:
-    out = copy.copy(backend)
-    for k, v in changes.items():
-        setattr(out, k, v)
-    return out
+        return dataclasses.replace(self, stack=None)
 
 
 def _row_sdpa(attn, q, k_all, v_all, batch: ForwardBatch, b: int):

@@ -88,6 +88,11 @@ class PrefixPool:
         self.stats.hit += len(hits) * self.block_size
         return hits
 
+    def read(self, tokens: list[int], cache, row: int, salt: bytes = b"") -> int:
+        """Copy the cached blocks that start `tokens` into slots [0, n) of a cache row (any
+        KVStore); returns n, the tokens they cover (0 on a miss)."""
+        return restore(self.lookup(tokens, salt), cache, row)
+
     def store(self, tokens: list[int], cache, row: int, computed: int, salt: bytes = b"") -> int:
         """Keep the whole blocks of tokens[:computed] whose K/V a cache row holds (any KVStore);
         returns the blocks newly stored."""

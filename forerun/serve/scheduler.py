@@ -33,9 +33,7 @@ from forerun.sampling import make_generator
 from forerun.serve.batch_k import BatchK
 from forerun.kv.blocks import BlockAllocator, BlockTable
 from forerun.kv.paged import PagedKVCache
-from forerun.kv.prefix import restore
-from forerun.drafters.base import HiddenRows
-from forerun.prefill import PrefixWrite, write_prefixes
+from forerun.prefill import PrefixWrite
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.step import Live, step_all
 from forerun.streaming import TextStream
@@ -103,15 +101,12 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="forerun-engine", daemon=True)
 
     def _prefix_pool(self, cfg: ServeConfig):
-        """The server's prefix cache: the LLM's salt (model, precision, KV dtype), this
-        server's block size; None where it is off, or where the drafter reads the prompt's
-        hidden states (a cached prefix would leave it without them)."""
-        from forerun.kv.prefix import PrefixPool
-
-        on = self.llm.precision.batch_invariant if cfg.prefix_cache is None else cfg.prefix_cache
-        if not on or hasattr(self.drafter, "observe_hidden"):
+        """The server's prefix cache (LLM.new_prefix_pool, at this server's block size); None
+        where it is off, or where the drafter reads the prompt's hidden states (a cached prefix
+        would leave it without them)."""
+        if hasattr(self.drafter, "observe_hidden"):
             return None
-        return PrefixPool(cfg.block_size, int(cfg.prefix_cache_gb * 2**30), self.llm.prefix_salt())
+        return self.llm.new_prefix_pool(cfg.prefix_cache, cfg.prefix_cache_gb, cfg.block_size)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (POST /reset_prefix_cache); returns how many."""
@@ -210,19 +205,16 @@ class Scheduler:
                 continue
             writes.append((p, n))
             budget -= n
-        sink = getattr(self.drafter, "observe_hidden", None)
-        on_hidden = None if sink is None else lambda w, h: sink([HiddenRows(w.row, w.start, h)])
-        write_prefixes(self.model, self.cache, [PrefixWrite(p.live.seq.row, p.done, p.live.seq.tokens[p.done : p.done + n])
-                                                       for p, n in writes], on_hidden=on_hidden)
+        engine.write_known(self.model, self.cache, [PrefixWrite(p.live.seq.row, p.done, p.live.seq.tokens[p.done : p.done + n])
+                                                    for p, n in writes], self.drafter)
         dt = time.perf_counter() - t0
         for p, n in writes:
             p.done += n
             p.live.seq.stats.prefill_chunks += 1
             p.live.seq.stats.prefill_time += dt
-            self.cache.truncate(p.live.seq.row, p.done)
         for row, p in list(self.prefilling.items()):
-            if p.left == 0:
-                self.cache.truncate(row, p.done)  # (a wholly cached prompt computed nothing)
+            if p.left == 0:  # (the engine's invariant from here on: lengths[row] == len(tokens) - 1)
+                self.cache.truncate(row, p.done)
                 del self.prefilling[row]
                 self.running[row] = p.live
         if self.metrics:
@@ -267,7 +259,7 @@ class Scheduler:
         if self.prefix is None:
             return 0
         with self._prefix_lock:
-            n = restore(self.prefix.lookup(lv.seq.tokens, lv.req.cache_salt), self.cache, lv.seq.row)
+            n = self.prefix.read(lv.seq.tokens, self.cache, lv.seq.row, lv.req.cache_salt)
         lv.seq.stats.cached_tokens = n
         return n
 
