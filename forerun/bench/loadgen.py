@@ -16,6 +16,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -33,30 +34,45 @@ def spec_body(spec: str) -> dict:
     return {} if spec == "server" else {"speculative": {"method": spec}}
 
 
+@dataclass
+class ChatStream:
+    """What a streamed chat completion's SSE lines say, fed one line at a time: the time to its
+    first text (from t0), its text pieces, the last usage and llama-server's `timings`."""
+
+    t0: float
+    first: float | None = None
+    pieces: list[str] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+
+    def feed(self, line: str) -> None:
+        if not line.startswith("data: {"):
+            return
+        chunk = json.loads(line[6:])
+        self.usage = chunk.get("usage") or self.usage
+        self.timings = chunk.get("timings") or self.timings
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece and self.first is None:
+                self.first = time.perf_counter() - self.t0
+            self.pieces.append(piece)
+
+
 async def one(client: httpx.AsyncClient, prompt: int, max_tokens: int, extra: dict) -> dict:
     """Stream PROMPTS[prompt] greedily; its latency, time to first token, completion tokens
     (the server's usage count), text, and the draft tokens scored / accepted where the server
     reports them per request (llama-server's `timings`; else None). `extra`: more body fields."""
     body = {"messages": [{"role": "user", "content": PROMPTS[prompt]}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
-    t0, first, tokens, text, timings = time.perf_counter(), None, 0, [], {}
+    s = ChatStream(time.perf_counter())
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
         async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            timings = chunk.get("timings") or timings
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter() - t0
-                text.append(piece)
-    return {"prompt": prompt, "latency": time.perf_counter() - t0, "ttft": first or 0.0, "tokens": tokens,
-            "text": "".join(text), "drafted": timings.get("draft_n"), "accepted": timings.get("draft_n_accepted")}
+            s.feed(line)
+    return {"prompt": prompt, "latency": time.perf_counter() - s.t0, "ttft": s.first or 0.0,
+            "tokens": s.usage.get("completion_tokens", 0), "text": "".join(s.pieces),
+            "drafted": s.timings.get("draft_n"), "accepted": s.timings.get("draft_n_accepted")}
 
 
 async def run(url: str, clients: int, per_client: int, max_tokens: int, extra: dict) -> tuple[list[dict], float]:

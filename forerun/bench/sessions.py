@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from forerun.bench.loadgen import ChatStream
+
 MODULES = ("textwrap", "difflib", "shlex", "fractions", "heapq", "bisect", "calendar", "string")
 TOOLS = [  # the schemas an agent's system prompt carries (the shape of OpenAI's function tools)
     {"name": "read_file", "description": "Read a file of the repository.",
@@ -107,23 +109,16 @@ def stream_chat(client: httpx.Client, messages: list[dict], max_tokens: int) -> 
     server's usage (completion, prompt and cached prompt tokens)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0, first, text, usage = time.perf_counter(), None, [], {}
+    s = ChatStream(time.perf_counter())
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
         for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter() - t0
-                text.append(piece)
+            s.feed(line)
+    usage = s.usage
     details = usage.get("prompt_tokens_details") or {}
-    return Turn(first or 0.0, time.perf_counter() - t0, usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0),
-                details.get("cached_tokens"), "".join(text))
+    return Turn(s.first or 0.0, time.perf_counter() - s.t0, usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0),
+                details.get("cached_tokens"), "".join(s.pieces))
 
 
 def play(url: str, session: Session, max_tokens: int) -> list[Turn]:
