@@ -113,6 +113,11 @@ def add_common(p: argparse.ArgumentParser):
                    help="draft_model: the first drafter forward also checks prompt lookup's guess (after the last N.."
                         "--ngram-max tokens seen before): one forward drafts every guessed token the drafter agrees with "
                         "(0 = off) (default: 1)")
+    p.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
+                   help="suffix: earlier requests' outputs kept to draft from, per process, oldest out first (default: 256)")
+    p.add_argument("--suffix-min-score", type=float, default=None,
+                   help="suffix with --draft-model: a row drafts from its suffix tree when the tree's expected accepted "
+                        "tokens reach this, else from the draft model (default: 1.0)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
     p.add_argument("--quant-bits", type=int, default=8, choices=[8, 4], help="quantized: the self-draft's weight bits (int8 or int4)")
@@ -151,6 +156,8 @@ def configs(args):
                  **({"draft_p_min": args.draft_p_min} if args.draft_p_min else {}),
                  **({"draft_lookup": args.draft_lookup} if args.draft_lookup is not None else {}),
                  **({"head_dtype": args.head_dtype} if args.head_dtype else {}),
+                 **({"suffix_cache_requests": args.suffix_cache_requests} if args.suffix_cache_requests is not None else {}),
+                 **({"suffix_min_score": args.suffix_min_score} if args.suffix_min_score is not None else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
     )
     return params, spec

@@ -36,6 +36,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (EOS / stop string) or "length"
     logprobs: list | None = None  # one TokenLogprobs per generated token, when asked for (top_logprobs)
     top_logprobs: int | None = None  # N alternatives per token; None = no logprobs kept
+    tenant: bytes = b""  # the prefix cache's salt: whose request (DraftRequest.tenant)
 
     @property
     def generated(self) -> list[int]:
@@ -66,7 +67,7 @@ class GenerateJob:
 
 @torch.inference_mode()
 def generate(model, job: GenerateJob) -> list[Sequence]:
-    seqs = [Sequence(i, list(p), len(p), m) for i, (p, m) in enumerate(zip(job.prompts, job.max_new))]
+    seqs = [Sequence(i, list(p), len(p), m, tenant=job.cache_salt) for i, (p, m) in enumerate(zip(job.prompts, job.max_new))]
     if job.params.logprobs is not None:
         for s in seqs:
             s.logprobs, s.top_logprobs = [], job.params.logprobs
@@ -92,13 +93,13 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
         step(model, cache, active, job, generator)
         active = [s for s in active if s.finish_reason is None]
     t_decode = time.perf_counter() - t0 - t_prefill
-    retire = getattr(drafter, "retire", None)  # (a draft model keeps its own cache's blocks)
+    retire = getattr(drafter, "retire", None)  # (a draft model keeps its cache's blocks, suffix decoding the output)
     for s in seqs:
         s.stats.prefill_time, s.stats.decode_time = t_prefill, t_decode
         if job.prefix is not None:  # the answer's blocks too: the next turn resends it
             job.prefix.store(s.tokens, cache, s.row, cache.lengths[s.row], job.cache_salt)
         if retire is not None:
-            retire(s.row, s.tokens)
+            retire(retiring(s))
     return seqs
 
 
@@ -232,8 +233,14 @@ def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]
         return [Draft([], None) for _ in active]
     # Never draft past the sequence's budget: a step emits up to k + 1 tokens.
     k = [job.k_policy.k_for(s.row) if job.k_policy is not None else job.k for s in active]
-    requests = [DraftRequest(s.row, s.tokens, max(0, min(kb, s.remaining - 1))) for s, kb in zip(active, k)]
+    requests = [DraftRequest(s.row, s.tokens, max(0, min(kb, s.remaining - 1)), s.prompt_len, s.tenant)
+                for s, kb in zip(active, k)]
     return job.drafter.propose(requests, job.params, generator)
+
+
+def retiring(s: Sequence) -> DraftRequest:
+    """What a drafter's `retire` gets when `s` ends: its row and tokens, no draft wanted."""
+    return DraftRequest(s.row, s.tokens, 0, s.prompt_len, s.tenant)
 
 
 def _learn(job: GenerateJob, active: list[Sequence], drafts: list[Draft], accepted: list[int], draft_s: float):

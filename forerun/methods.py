@@ -40,6 +40,10 @@ METHODS: dict[str, Method] = {
     NONE: Method("plain", "plain decoding: the verifier alone, one token per forward (the baseline every speedup is against)"),
     "ngram": Method("model-free", "prompt lookup: continues the last n-gram's most recent match in the context "
                     "(--ngram-branches: a tree)", ("ngram_min", "ngram_max", "ngram_branches")),
+    "suffix": Method("model-free", "suffix decoding: trees of what followed the tail in this request and in the tenant's "
+                     "earlier outputs (--draft-model: a hybrid, the model drafts where no tree is confident)",
+                     ("draft_model", "draft_dtype"), ("suffix_cache_requests", "suffix_max_match", "suffix_factor",
+                                                      "suffix_min_prob", "suffix_min_score")),
     "draft_model": Method("draft model", "a smaller model drafts (--draft-model; same tokenizer, or another one bridged "
                           "by text)", ("draft_model", "draft_dtype", "tree_width", "ngram_max"),
                           ("draft_lookup", "draft_p_min", *HEAD_OPTIONS)),

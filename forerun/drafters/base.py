@@ -22,6 +22,8 @@ class DraftRequest:
     row: int  # the sequence's cache row (stable for the whole generate call)
     tokens: list[int]  # committed prompt + generated tokens; the last has no KV yet
     k: int  # longest draft wanted for this row (0 = none)
+    prompt_len: int = 0  # tokens[:prompt_len] is the prompt, the rest was generated
+    tenant: bytes = b""  # whose request (the prefix cache's salt): drafters that learn across requests keep tenants apart
 
 
 @dataclass
@@ -117,10 +119,17 @@ class Drafter(Protocol):
     # the verifier's hidden states; called after prefill and after each verification.
     # Optional: `observe_prompts([(row, prompt tokens)])`: generate's prefill hands a drafter
     # with its own cache the prompts (timed as prefill); the server's rows feed them lazily.
+    # Optional: `retire(request: DraftRequest)`: the sequence in request.row ended with
+    # request.tokens (k = 0); a draft model keeps its cache's blocks, suffix decoding the output.
 
 
 DrafterFactory = Callable[..., Drafter]
 _REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def make(name: str, **kwargs) -> Drafter:
+    """The drafter of a registered method (drafters/__init__.build_drafter checks the name first)."""
+    return _REGISTRY[name](**kwargs)
 
 
 def register(name: str, about: str = "a drafter registered at run time"):

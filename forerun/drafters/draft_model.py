@@ -73,10 +73,10 @@ class DraftModelDrafter:
         self.synced, self.tail = {}, {}
         reset_rows(self.head)
 
-    def retire(self, row: int, tokens: list[int]) -> None:
-        """The sequence in `row` ended with `tokens`: keep the draft cache's whole blocks of it."""
-        if self.prefix is not None and self.cache is not None and self.synced.get(row):
-            self.prefix.store(tokens, self.cache, row, min(self.synced[row], len(tokens) - 1))
+    def retire(self, r: DraftRequest) -> None:
+        """The sequence in r.row ended with r.tokens: keep the draft cache's whole blocks of it."""
+        if self.prefix is not None and self.cache is not None and self.synced.get(r.row):
+            self.prefix.store(r.tokens, self.cache, r.row, min(self.synced[r.row], len(r.tokens) - 1))
 
     def _restore(self, row: int, tokens: list[int]) -> int:
         """Copy the cached blocks that start a new row's tokens into the draft cache; their count."""

@@ -224,7 +224,7 @@ class Scheduler:
         release = getattr(self.drafter, "release", None)
         if release is not None:
             release(row)
-        seq = engine.Sequence(row, list(req.prompt), len(req.prompt), req.max_new)
+        seq = engine.Sequence(row, list(req.prompt), len(req.prompt), req.max_new, tenant=req.cache_salt)
         if req.params.logprobs is not None:
             seq.logprobs, seq.top_logprobs = [], req.params.logprobs
         self.sync_table(row, table.blocks)
@@ -268,7 +268,7 @@ class Scheduler:
         and the drafter's own (a draft model's cache) where it keeps them."""
         retire = getattr(self.drafter, "retire", None)
         if retire is not None:
-            retire(lv.seq.row, lv.seq.tokens)
+            retire(engine.retiring(lv.seq))
         if self.prefix is not None:
             row = lv.seq.row
             with self._prefix_lock:
