@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from forerun.config import SamplingParams
 from forerun.errors import ForerunError
+from forerun.serve.auth import salt
 from forerun.serve.request import ServeRequest
 from forerun.serve.schemas import Sampling
 
@@ -65,7 +66,7 @@ def prompt_ids(llm, body: Sampling, prompt, limits: Limits) -> list[int]:
 
 
 def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: Limits, sink,
-                  logprobs: int | None = None) -> ServeRequest:
+                  logprobs: int | None = None, tenant: bytes = b"") -> ServeRequest:
     ids = prompt_ids(llm, body, prompt, limits)
     room = limits.max_len - len(ids)
     if room < 1:
@@ -80,5 +81,4 @@ def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: L
                                 seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=logprobs)
     except ForerunError as e:
         raise ApiError(400, str(e)) from e
-    salt = body.cache_salt.encode() if body.cache_salt else b""
-    return ServeRequest(ids, params, wanted, request_k(body, limits), sink, cache_salt=salt)
+    return ServeRequest(ids, params, wanted, request_k(body, limits), sink, cache_salt=salt(tenant, body.cache_salt))

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from forerun.serve.admission import ApiError, Limits, build_request, check_model, k_note, prompt_ids
+from forerun.serve.auth import ApiKeys, guarded
 from forerun.serve.metrics import ServeMetrics
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.responses import DONE, Echo, Shape, sse
@@ -18,10 +19,11 @@ from forerun.serve.schemas import ChatRequest, CompletionRequest
 from forerun.serve.tokenize_routes import add_tokenizer_routes
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
-ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (404, "unknown model"), (429, "queue full")]}
+ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (401, "missing or incorrect API key (when the "
+                                              "server has keys)"), (404, "unknown model"), (429, "queue full")]}
 
 
-def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics) -> FastAPI:
+def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics, keys: ApiKeys = ApiKeys()) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         scheduler.start()
@@ -30,7 +32,9 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics) 
 
     app = FastAPI(title="forerun", version="0.1.0", lifespan=lifespan)
     app.state.llm, app.state.scheduler, app.state.limits, app.state.metrics = llm, scheduler, limits, metrics
+    app.state.keys = keys
     _add_error_handlers(app, metrics)
+    _add_key_check(app, keys, metrics)
 
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request):
@@ -87,7 +91,8 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
     if echo is not None and max_tokens == 0:  # score the prompt only (lm-eval's log-likelihood)
         shape = Shape(chat, st.limits.model_names[0], len(echo.ids), echo=echo, logprob_n=n_logprobs)
         return JSONResponse(shape.full("", Event(finish_reason="length"), []))
-    req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue), logprobs=n_logprobs)
+    req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue), logprobs=n_logprobs,
+                        tenant=getattr(request.state, "tenant", b""))
     try:
         st.scheduler.submit(req)
     except QueueFull as e:
@@ -181,6 +186,25 @@ async def _collect(request: Request, scheduler: Scheduler, req: ServeRequest, qu
         if not done:
             req.cancel()
             scheduler.wake()
+
+
+def _add_key_check(app: FastAPI, keys: ApiKeys, metrics: ServeMetrics) -> None:
+    """With API keys set, the guarded routes answer 401 to a missing or unknown key; the
+    caller's tenant (auth.py) goes to request.state for the prefix cache and suffix store."""
+    if not keys.enabled:
+        return
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if guarded(request.url.path):
+            tenant = keys.tenant(request.headers.get("authorization"))
+            if tenant is None:
+                metrics.rejected.labels("401").inc()
+                body = ApiError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                                code="invalid_api_key").body()
+                return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            request.state.tenant = tenant
+        return await call_next(request)
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:

@@ -34,4 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-cache-gb", type=float, default=1.0, help="memory the prefix cache's KV blocks may hold")
     p.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens computed between two decoding steps (0: whole prompts at admission)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' on /v1 (repeatable; also FORERUN_API_KEY); each "
+                        "key is a tenant: its cached prefixes and suffix-decoding history serve its own requests only")
+    p.add_argument("--api-key-file", action="append", default=None, metavar="FILE",
+                   help="API keys, one per line (# comments), as --api-key")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")

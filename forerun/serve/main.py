@@ -7,12 +7,14 @@ import sys
 from forerun.config import SpeculativeConfig
 from forerun.errors import ForerunError
 from forerun.serve.admission import Limits
+from forerun.serve.auth import ApiKeys
 from forerun.serve.scheduler import Scheduler, ServeConfig
 
 
 def build_server(llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeConfig(),
-                 default_max_tokens: int = 128, names: tuple[str, ...] = ()):
-    """The FastAPI app for `llm` (its scheduler starts with the app's lifespan)."""
+                 default_max_tokens: int = 128, names: tuple[str, ...] = (), keys: ApiKeys = ApiKeys()):
+    """The FastAPI app for `llm` (its scheduler starts with the app's lifespan); with `keys`,
+    the /v1 routes need one of them (serve/auth.py)."""
     from forerun.serve.app import build_app
     from forerun.serve.metrics import ServeMetrics
 
@@ -23,7 +25,7 @@ def build_server(llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeCo
     sched = Scheduler(llm, spec, cfg, metrics)
     names = tuple(dict.fromkeys(names or (llm.name,)))  # the first is the id responses carry
     limits = Limits(names, cfg.max_len, default_max_tokens, sched.spec.method if sched.spec else None, sched.k_max)
-    return build_app(llm, sched, limits, metrics)
+    return build_app(llm, sched, limits, metrics, keys)
 
 
 def cmd_serve(args) -> int:
@@ -41,6 +43,8 @@ def cmd_serve(args) -> int:
           f"{args.max_batch} rows x {st.limits.max_len} tokens, {st.scheduler.blocks.num_blocks} KV blocks of {args.block_size}, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     print(f"forerun serve: {line_for(llm, args.model)}", file=sys.stderr)
+    if st.keys.enabled:
+        print(f"forerun serve: /v1 needs one of {len(st.keys.digests)} API key(s); each key is a tenant", file=sys.stderr)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run(sockets=[sock])
     return 0
 
@@ -53,7 +57,8 @@ def server_from_args(args, llm, spec: SpeculativeConfig):
                       batch_aware=not args.no_batch_aware, prefix_cache=False if args.no_prefix_cache else None,
                       prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None)
     names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
-    return build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names)
+    keys = ApiKeys.of(args.api_key or (), args.api_key_file or ())
+    return build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names, keys)
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
