@@ -10,8 +10,9 @@ Point `data_dir` at a directory laid out like this:
     vicuna_bench/question.jsonl   80 open-ended chat prompts
 
 A custom file is JSONL with one object a line, holding either `prompt` (str; a raw completion
-unless the row says "chat": true) or `turns` (list of str; the first turn, as chat), and
-optionally `id` and `category`:
+unless the row says "chat": true) or `turns` (list of str: user turns, as chat; `forerun bench
+--turns N` plays up to N of them as a session, each resending the history), and optionally
+`id` and `category`:
 
     {"prompt": "def fib(n):", "category": "code"}
     {"turns": ["Tell me a joke."], "id": "joke"}
@@ -56,6 +57,7 @@ class Prompt:
     category: str  # what per-category reports group by
     text: str
     chat: bool
+    turns: tuple[str, ...] = ()  # every user turn of a multi-turn row (MT-Bench's two), text being the first
 
 
 def data_dir(override: str | Path | None = None) -> Path:
@@ -190,10 +192,19 @@ def _field(row: dict, key: str, kind: type, where: str):
 
 
 def _first_turn(row: dict, where: str) -> str:
+    return _turns(row, where)[0]
+
+
+def _turns(row: dict, where: str) -> tuple[str, ...]:
     turns = _field(row, "turns", list, where)
     if not turns or not all(isinstance(t, str) for t in turns):
         raise ForerunError(f"{where}: field 'turns' should be a non-empty list of strings")
-    return turns[0]
+    return tuple(turns)
+
+
+def _later(turns: tuple[str, ...]) -> tuple[str, ...]:
+    """Prompt.turns: every turn where there are several, else none."""
+    return turns if len(turns) > 1 else ()
 
 
 # ---- one loader per set ----
@@ -201,22 +212,22 @@ def _first_turn(row: dict, where: str) -> str:
 
 def _load_spec_bench(path: Path, subtask: str | None = None) -> list[Prompt]:
     """All 480 prompts (category = the file's label), one subtask, or one category label."""
-    rows = []  # (question_id, label, first turn)
+    rows = []  # (question_id, label, turns)
     for where, row in _read_jsonl(path):
         qid = _field(row, "question_id", int, where)
-        rows.append((qid, _field(row, "category", str, where), _first_turn(row, where)))
+        rows.append((qid, _field(row, "category", str, where), _turns(row, where)))
     if subtask is None:
-        return [Prompt(f"spec_bench/{q}", label, text, True) for q, label, text in rows]
+        return [Prompt(f"spec_bench/{q}", label, t[0], True, _later(t)) for q, label, t in rows]
     if subtask in SPEC_BENCH_SUBTASKS:
         ids = SPEC_BENCH_SUBTASKS[subtask]
-        return [Prompt(f"spec_bench/{q}", subtask, text, True) for q, _, text in rows if q in ids]
+        return [Prompt(f"spec_bench/{q}", subtask, t[0], True, _later(t)) for q, _, t in rows if q in ids]
     labels = list(dict.fromkeys(label for _, label, _ in rows))
     if subtask not in labels:
         raise ForerunError(
             f"unknown Spec-Bench subtask {subtask!r}; subtasks: {', '.join(SPEC_BENCH_SUBTASKS)}; "
             f"category labels: {', '.join(labels)}"
         )
-    return [Prompt(f"spec_bench/{q}", lab, text, True) for q, lab, text in rows if lab == subtask]
+    return [Prompt(f"spec_bench/{q}", lab, t[0], True, _later(t)) for q, lab, t in rows if lab == subtask]
 
 
 def _load_humaneval(path: Path) -> list[Prompt]:
@@ -252,6 +263,7 @@ def _load_vicuna(path: Path) -> list[Prompt]:
             _field(row, "category", str, where),
             _first_turn(row, where),
             True,
+            _later(_turns(row, where)),
         )
         for where, row in _read_jsonl(path)
     ]
@@ -262,17 +274,18 @@ def _load_custom(path: Path) -> list[Prompt]:
         raise ForerunError(f"prompt file {path} does not exist")
     prompts = []
     for where, row in _read_jsonl(path):
+        turns = ()
         if "prompt" in row:
             text = _field(row, "prompt", str, where)
             chat = _field(row, "chat", bool, where) if "chat" in row else False
         elif "turns" in row:
-            text, chat = _first_turn(row, where), True
+            text, chat, turns = _first_turn(row, where), True, _later(_turns(row, where))
         else:
             raise ForerunError(f"{where}: a row needs 'prompt' (str) or 'turns' (list of str)")
         line = where.rsplit(":", 1)[1]  # the default id is the line number, easy to find
         pid = str(row["id"]) if "id" in row else f"file:{line}"
         category = _field(row, "category", str, where) if "category" in row else "file"
-        prompts.append(Prompt(pid, category, text, chat))
+        prompts.append(Prompt(pid, category, text, chat, turns))
     return prompts
 
 

@@ -288,3 +288,35 @@ def test_exit_layer_of_the_transformers_peer_defaults_to_half_and_is_checked():
     assert _exit_layer(build_parser().parse_args(["bench", "--exit-layer", "3"]), verifier) == 3
     with pytest.raises(ForerunError, match="4 layers"):
         _exit_layer(build_parser().parse_args(["bench", "--exit-layer", "4"]), verifier)
+
+
+def test_multi_turn_prompts_play_as_sessions():
+    """`--turns`: turn 2 resends turn 1 with plain decoding's answer; every method's output is
+    plain's, and suffix decoding (its store kept across the runs) drafts on the later turn."""
+    from tests.serve_util import tiny_llm
+
+    verifier = tiny_llm("float64")
+    first = [{"role": "user", "content": "abcabc"}]
+    work = Workload("chat", [("s", verifier.encode([verifier.apply_chat_template(first)])[0])], {"s": ("abcabc", "again")})
+    methods = make_methods(verifier, [SpeculativeConfig("suffix", 4), SpeculativeConfig("ngram", 3)])
+    pairs = run_workload(verifier, methods, work, GREEDY)
+    runs = pairs["suffix k=4"]
+    assert [p.prompt_id for p in runs] == ["s", "s#turn2"]
+    answer = verifier.decode(runs[0].plain_tokens)
+    history = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "again"}]
+    expected = verifier.generate([verifier.apply_chat_template(history)], GREEDY, speculative=None)[0].token_ids
+    assert runs[1].plain_tokens == expected
+    for label in pairs:
+        assert all(p.spec_tokens == p.plain_tokens for p in pairs[label])
+    assert runs[1].spec.accepted > 0
+
+
+def test_multi_turn_rows_keep_their_turns(tmp_path):
+    from forerun.bench.bench import workloads_from
+    from tests.serve_util import tiny_llm
+
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"turns": ["one", "two", "three"], "id": "x"}) + "\n" + json.dumps({"turns": ["solo"]}) + "\n")
+    llm = tiny_llm("float64")
+    assert workloads_from(llm, [str(path)], 5)[0].sessions == {}
+    assert workloads_from(llm, [str(path)], 5, turns=2)[0].sessions == {"x": ("one", "two")}

@@ -122,7 +122,7 @@ def test_custom_jsonl(tmp_path):
     assert load_prompts(str(path)) == [
         Prompt("file:1", "file", "def f(x):", False),
         Prompt("7", "greet", "Hi", True),
-        Prompt("t", "file", "first", True),
+        Prompt("t", "file", "first", True, ("first", "second")),
     ]
     assert load_prompts(str(path), limit=1) == [Prompt("file:1", "file", "def f(x):", False)]
 

@@ -48,10 +48,11 @@ def prompt_ids(llm: LLM, prompt: Prompt) -> list[int]:
     return llm.encode([text])[0]
 
 
-def workloads_from(llm: LLM, sets: list[str], limit: int, data_dir=None) -> list[Workload]:
+def workloads_from(llm: LLM, sets: list[str], limit: int, data_dir=None, turns: int = 1) -> list[Workload]:
     """Each `spec_bench:<subtask>` is one workload, and `spec_bench` is its six subtasks;
     other sets (and JSONL files) are split by their prompts' category. `limit`: prompts per
-    workload."""
+    workload; `turns`: a prompt with several user turns (MT-Bench's two) plays up to that
+    many as a session."""
     sets = [s for name in sets for s in ([f"spec_bench:{t}" for t in SPEC_BENCH_SUBTASKS] if name == "spec_bench" else [name])]
     groups: dict[str, list[Prompt]] = {}
     for name in sets:
@@ -59,7 +60,9 @@ def workloads_from(llm: LLM, sets: list[str], limit: int, data_dir=None) -> list
         sub = name.partition(":")[2] if name.startswith("spec_bench:") else None
         for p in prompts:
             groups.setdefault(sub or p.category, []).append(p)
-    return [Workload(cat, [(p.id, prompt_ids(llm, p)) for p in ps[:limit]]) for cat, ps in groups.items()]
+    return [Workload(cat, [(p.id, prompt_ids(llm, p)) for p in ps[:limit]],
+                     {p.id: p.turns[:turns] for p in ps[:limit] if turns > 1 and len(p.turns) > 1})
+            for cat, ps in groups.items()]
 
 
 def load_previous(run: BenchRun) -> dict:
@@ -80,7 +83,7 @@ def run_bench(run: BenchRun) -> dict:
 
     result = run.result = load_previous(run)
     todo = _pending(run, result)
-    total = sum(len(w.prompts) * (len(ms) + 1) for w, ms in todo)
+    total = sum(sum(max(1, len(w.sessions.get(pid, ()))) for pid, _ in w.prompts) * (len(ms) + 1) for w, ms in todo)
     with tqdm(total=total, desc="bench runs", disable=not run.progress, unit="run") as bar:
         for w, ms in todo:
             bar.set_postfix_str(w.category)

@@ -25,6 +25,9 @@ def register(sub, kit) -> None:
                    "one workload; other sets split by category) or .jsonl files")
     b.add_argument("--data-dir", default=None, help="prompt data folder (default: $FORERUN_DATA_DIR or ../shared/data/prompts)")
     b.add_argument("--limit", type=int, default=3, help="prompts per workload")
+    b.add_argument("--turns", type=int, default=1, help="play up to N user turns of multi-turn prompts (Spec-Bench's "
+                   "MT-Bench, Vicuna, JSONL rows with turns) as sessions: each turn resends the history with plain "
+                   "decoding's answers")
     b.add_argument("--method", "--methods", dest="methods", default="ngram", help="comma-separated drafters")
     b.add_argument("--k", default="5", help="comma-separated draft lengths, 'auto' included (e.g. 3,5,auto)")
     b.add_argument("--draft-model", default=None, help="comma-separated draft models for draft_model (same forms as "
@@ -103,6 +106,8 @@ def _variants(method: str, args) -> list[dict]:
     the command line)."""
     if method == "ngram":
         return [{"ngram_branches": b} for b in int_list(str(args.ngram_branches)) or (1,)]
+    if method == "suffix":  # alone, then a hybrid with each listed draft model
+        return [{}] + [{"draft_model": d.strip()} for d in (args.draft_model or "").split(",") if d.strip()]
     if method not in SELF_DRAFTERS and args.draft_model:
         listed = [d.strip() for d in args.draft_model.split(",") if d.strip()]
         if method in HEAD_METHODS:  # head folders: each goes to the method it was trained for
@@ -151,12 +156,13 @@ def cmd_bench(args) -> int:
     specs = specs_from(args)
     verifier = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False)
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
-    workloads = workloads_from(verifier, sets, args.limit, args.data_dir)
+    workloads = workloads_from(verifier, sets, args.limit, args.data_dir, turns=args.turns)
     if args.vs:
         _exit_layer(args, verifier)  # a bad --exit-layer fails now, not after the run
     meta = {"model": args.model or "smollm2-135m", "dtype": args.dtype, "prompts": args.prompts, "limit": args.limit,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed, "threads": torch.get_num_threads()}
+            "top_k": args.top_k, "seed": args.seed, "threads": torch.get_num_threads(),
+            **({"turns": args.turns} if args.turns > 1 else {})}
     run = BenchRun(verifier, make_methods(verifier, specs), workloads, params, meta, Path(args.out), args.resume,
                    progress=not args.no_progress)
     result = run_bench(run)

@@ -9,7 +9,7 @@ every engine: kernel builds, drafter loads, auto-k's cost curve) happen before a
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from forerun.bench.cell import PairRun
@@ -33,6 +33,9 @@ class Method:
 class Workload:
     category: str
     prompts: list[tuple[str, list[int]]]  # (prompt id, token ids as fed to the model)
+    # prompt id -> its user turns, for prompts played as sessions (`forerun bench --turns`): turn
+    # n resends turns 1 .. n - 1 with plain decoding's answers (the same under greedy decoding)
+    sessions: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def method_label(spec: SpeculativeConfig) -> str:
@@ -41,6 +44,7 @@ def method_label(spec: SpeculativeConfig) -> str:
     ('ngram k=5', 'ngram tree x3 k=5')
     """
     extra = f" tree x{spec.ngram_branches}" if spec.method == "ngram" and spec.ngram_branches > 1 else ""
+    extra += " + draft model" if spec.method == "suffix" and spec.draft_model is not None else ""
     lossy = f" {spec.acceptance}" if spec.acceptance != "exact" else ""  # a lossy cell says so in its name
     return f"{spec.method}{extra}{lossy} k={spec.num_speculative_tokens}"
 
@@ -58,7 +62,7 @@ def make_methods(verifier: LLM, specs: list[SpeculativeConfig], labels: list[str
             label += f" ({getattr(spec.draft_model, 'name', spec.draft_model)})"
         if any(m.label == label for m in out):
             raise ForerunError(f"{label} is listed twice")
-        if spec.method == "draft_model" and isinstance(spec.draft_model, str):  # (medusa / eagle: a head folder)
+        if spec.method in ("draft_model", "suffix") and isinstance(spec.draft_model, str):  # (medusa / eagle: a head folder)
             key = (spec.draft_model, spec.draft_dtype or verifier.dtype)
             if key not in drafts:
                 drafts[key] = LLM(model=spec.draft_model, dtype=key[1], speculative=None, progress=False,
@@ -96,19 +100,32 @@ def refuse(failed: dict[str, str]):
 
 def run_workload(verifier: LLM, methods: list[Method], work: Workload, params: SamplingParams,
                  tick: Callable[[], None] = lambda: None) -> dict[str, list[PairRun]]:
-    """Per prompt: one plain run, shared as the baseline of every method's pair, and one run
-    per method; `tick` is called after each run (a progress bar)."""
+    """Per prompt (and per turn of a session): one plain run, shared as the baseline of every
+    method's pair, and one run per method; `tick` is called after each run (a progress bar)."""
     pairs: dict[str, list[PairRun]] = {m.label: [] for m in methods}
     for i, (pid, ids) in enumerate(work.prompts):
-        order = methods[i % len(methods):] + methods[: i % len(methods)] if methods else []
-        plain_at = i % (len(methods) + 1)  # where plain runs in this prompt's rotation
-        runs = {}
-        for m in order[:plain_at] + [None] + order[plain_at:]:
-            llm, spec = (verifier, None) if m is None else (m.llm, m.spec)
-            runs[None if m is None else m.label] = llm.generate([ids], params, speculative=spec)[0]
-            tick()
-        plain = runs[None]
-        for m in methods:
-            out = runs[m.label]
-            pairs[m.label].append(PairRun(pid, plain.stats, out.stats, plain.token_ids, out.token_ids))
+        turns = work.sessions.get(pid, ())
+        history: list[dict] = []
+        for t in range(max(1, len(turns))):
+            if t:  # the next turn resends the conversation so far
+                history += [{"role": "user", "content": turns[t - 1]}, {"role": "assistant", "content": answer}]
+                ids = verifier.encode([verifier.apply_chat_template(history + [{"role": "user", "content": turns[t]}])])[0]
+            runs = _rotation(verifier, methods, i + t, ids, params, tick)
+            plain, answer = runs[None], verifier.decode(runs[None].token_ids)
+            for m in methods:
+                out = runs[m.label]
+                pairs[m.label].append(PairRun(pid if not t else f"{pid}#turn{t + 1}", plain.stats, out.stats,
+                                              plain.token_ids, out.token_ids))
     return pairs
+
+
+def _rotation(verifier: LLM, methods: list[Method], i: int, ids: list[int], params: SamplingParams, tick) -> dict:
+    """Plain and every method on one prompt, in an order rotated by i: {label (None = plain): output}."""
+    order = methods[i % len(methods):] + methods[: i % len(methods)] if methods else []
+    plain_at = i % (len(methods) + 1)  # where plain runs in this prompt's rotation
+    runs = {}
+    for m in order[:plain_at] + [None] + order[plain_at:]:
+        llm, spec = (verifier, None) if m is None else (m.llm, m.spec)
+        runs[None if m is None else m.label] = llm.generate([ids], params, speculative=spec)[0]
+        tick()
+    return runs
