@@ -3,7 +3,6 @@
 `forerun --help` does not load torch."""
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys

@@ -106,6 +106,7 @@ def run_workload(verifier: LLM, methods: list[Method], work: Workload, params: S
     for i, (pid, ids) in enumerate(work.prompts):
         turns = work.sessions.get(pid, ())
         history: list[dict] = []
+        answer = ""  # plain decoding's answer to the turn before
         for t in range(max(1, len(turns))):
             if t:  # the next turn resends the conversation so far
                 history += [{"role": "user", "content": turns[t - 1]}, {"role": "assistant", "content": answer}]
