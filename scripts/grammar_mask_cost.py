@@ -84,7 +84,8 @@ def main() -> None:
     spec = StructuredOutputs(json=TOOL_CALL)
 
     t = time.perf_counter(); compiler.compile(StructuredOutputs(regex="x"))
-    print(f"{folder.name}: {tokenizer.vocab_size} tokens, {width} logits; engine token table + first compile {time.perf_counter() - t:.2f} s")
+    print(f"{folder.name}: {tokenizer.vocab_size} tokens, {width} logits; "
+          f"engine token table + first compile {time.perf_counter() - t:.2f} s")
     t = time.perf_counter(); compiler.compile(spec)
     print(f"tool-call schema: compile {(time.perf_counter() - t) * 1e3:.1f} ms", end="")
     t = time.perf_counter(); compiler.compile(spec)

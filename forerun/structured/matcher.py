@@ -192,7 +192,8 @@ def fill_masks(matchers: Sequence[RowMatcher], out: torch.Tensor) -> None:
     One native call computes all rows (llguidance's executor, on its own threads, outside the GIL).
     """
     if out.dtype != torch.bool or out.dim() != 2 or out.shape[0] != len(matchers) or out.device.type != "cpu":
-        raise ValueError(f"out must be a CPU bool tensor [{len(matchers)}, V], got {out.dtype} {tuple(out.shape)} on {out.device}")
+        raise ValueError(f"out must be a CPU bool tensor [{len(matchers)}, V], "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if not matchers:
         return
     n_tokens = matchers[0].n_tokens
