@@ -13,6 +13,18 @@ class ConfigError(ForerunError):
     """An absurd or inconsistent parameter (sampling, speculative, dtype...)."""
 
 
+class FieldError(ConfigError, ValueError):
+    """A request field whose value forerun refuses; `field` names it the way the request spells it
+    ("response_format.json_schema.schema", "guided_regex"), so a server can answer 400 with `param`.
+    >>> e = FieldError("guided_regex", "matches no text"); (e.field, str(e))
+    ('guided_regex', 'guided_regex: matches no text')
+    """
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
 class ContextLengthError(ForerunError):
     """A prompt that does not fit the model's context."""
 

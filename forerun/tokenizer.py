@@ -101,6 +101,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text (the `tokenizers` library's serialisation): what a
+        grammar engine builds its own token table from (forerun/structured/grammar.py)."""
+        return self._backend.to_str()
+
     def token_texts(self) -> list[str | None]:
         """The text each id stands for on its own; None for special tokens and for pieces of
         a multi-byte character (they decode to U+FFFD). Used to match two vocabularies."""
