@@ -34,6 +34,9 @@ class SamplingParams:
     # and those of the N most likely tokens (forerun/logprobs.py); None = not computed.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output (forerun.structured.StructuredOutputs: a JSON schema, regex, choice or
+    # grammar the output must follow, enforced token by token); None: free text.
+    structured: object | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,6 +57,11 @@ class SamplingParams:
 
         check_count("logprobs", self.logprobs)
         check_count("prompt_logprobs", self.prompt_logprobs)
+        if self.structured is not None:
+            from forerun.structured.spec import StructuredOutputs
+
+            if not isinstance(self.structured, StructuredOutputs):
+                raise ConfigError(f"structured must be a forerun.structured.StructuredOutputs, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

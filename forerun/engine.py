@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams
+from forerun.constrain import follow, mask_logits, shape_draft
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv.cache import KVCache, chain_batch, tree_batch
 from forerun.kv.prefix import PrefixPool
@@ -37,6 +38,7 @@ class Sequence:
     logprobs: list | None = None  # one TokenLogprobs per generated token, when asked for (top_logprobs)
     top_logprobs: int | None = None  # N alternatives per token; None = no logprobs kept
     tenant: bytes = b""  # the prefix cache's salt: whose request (DraftRequest.tenant)
+    matcher: object | None = None  # structured output: this row's grammar state (structured.RowMatcher)
 
     @property
     def generated(self) -> list[int]:
@@ -63,6 +65,8 @@ class GenerateJob:
     typical: TypicalRule | None = None  # acceptance="typical_lossy" (sampling only); None = exact
     prefix: PrefixPool | None = None  # automatic prefix caching: blocks read before prefill, kept after
     cache_salt: bytes = b""  # the tenant's part of the prefix keys (a block of another salt never matches)
+    grammar: object | None = None  # structured.CompiledGrammar every sequence's output follows (None: free)
+    forced_drafts: bool = True  # a grammar's forced tokens lead the draft (constrain.shape_draft)
 
 
 @torch.inference_mode()
@@ -71,6 +75,9 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     if job.params.logprobs is not None:
         for s in seqs:
             s.logprobs, s.top_logprobs = [], job.params.logprobs
+    if job.grammar is not None:
+        for s in seqs:
+            s.matcher = job.grammar.matcher()
     capacity = max(len(s.tokens) + s.max_new for s in seqs) + _max_draft_nodes(job) + 1
     cache = model.new_cache(len(seqs), capacity)
     generator = make_generator(job.params.seed, model.device)
@@ -141,15 +148,16 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     batch = chain_batch(new, [len(s.tokens) - 1 for s in active], [s.row for s in active], model.device)
     out = model(batch, cache)
     logits = out.logits  # [B, K + 1, V]
-    result = _verify(logits, drafts, job.params, generator, job.typical)
+    shaped = mask_logits(logits, [s.matcher for s in active], drafts)  # the grammars' (same tensor without one)
+    result = _verify(shaped, drafts, job.params, generator, job.typical)
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
     paths = [list(range(n)) for n in num_accepted]
-    _observe(job, active, drafts, logits, paths, next_tokens)
+    _observe(job, active, drafts, shaped, paths, next_tokens)
     _observe_hidden(job, active, out.hidden, paths)
     _learn(job, active, drafts, num_accepted, t1 - t0)
     t2 = time.perf_counter()
     for i, (s, d, n, nxt) in enumerate(zip(active, drafts, num_accepted, next_tokens)):
-        s.stats.record_step(len(d.tokens), n)
+        _record(s, d, len(d.tokens), n)
         emitted = d.tokens[:n] + [nxt]
         _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i], range(n + 1), emitted))
         _mark(s, bool(d.tokens), n, at_end=n == len(d.tokens))
@@ -167,15 +175,16 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
     batch = tree_batch(new, parents, starts, [s.row for s in active], model.device)
     out = model(batch, cache)
     logits = out.logits  # [B, T, V]
+    shaped = mask_logits(logits, [s.matcher for s in active], drafts)  # (constrained rows hold chains)
     greedy = job.params.greedy
-    target = logits if greedy else logits_to_probs(logits, job.params)
+    target = shaped if greedy else logits_to_probs(shaped, job.params)
     if job.typical is not None and not greedy:
         results = [typical_tree_verify_lossy(d.tokens, d.parent_list(), target[i, : len(d.tokens) + 1], job.typical, generator)
                    for i, d in enumerate(drafts)]
     else:
         results = [tree_verify(d.tokens, d.parent_list(), d.probs, target[i, : len(d.tokens) + 1], greedy, generator)
                    for i, d in enumerate(drafts)]
-    _observe(job, active, drafts, logits, [r.path for r in results], [r.next_token for r in results])
+    _observe(job, active, drafts, shaped, [r.path for r in results], [r.next_token for r in results])
     _observe_hidden(job, active, out.hidden, [r.path for r in results])
     _learn(job, active, drafts, [len(r.path) for r in results], t1 - t0)
     t2 = time.perf_counter()
@@ -184,11 +193,18 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         dst = list(range(start + 1, start + 1 + len(r.path)))
         if src != dst:
             cache.move(s.row, src, dst)
-        s.stats.record_step(d.depth(), len(r.path), bonus=r.at_leaf and bool(d.tokens))
+        _record(s, d, d.depth(), len(r.path), bonus=r.at_leaf and bool(d.tokens))
         emitted = [d.tokens[n] for n in r.path] + [r.next_token]
         rows = [0] + [n + 1 for n in r.path]  # each emitted token was predicted at its parent's row
         _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i], rows, emitted))
         _mark(s, bool(d.tokens), len(r.path), at_end=r.at_leaf)
+
+
+def _record(s: Sequence, d: Draft, depth: int, accepted: int, bonus: bool | None = None):
+    """The step in the row's stats; a grammar's forced tokens apart from the drafter's."""
+    kept = min(accepted, d.forced)
+    s.stats.forced += kept
+    s.stats.record_step(depth - d.forced, accepted - kept, bonus=bonus)
 
 
 def _mark(s: Sequence, drafted: bool, accepted: int, at_end: bool):
@@ -235,7 +251,9 @@ def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]
     k = [job.k_policy.k_for(s.row) if job.k_policy is not None else job.k for s in active]
     requests = [DraftRequest(s.row, s.tokens, max(0, min(kb, s.remaining - 1)), s.prompt_len, s.tenant)
                 for s, kb in zip(active, k)]
-    return job.drafter.propose(requests, job.params, generator)
+    drafts = job.drafter.propose(requests, job.params, generator)
+    return [d if s.matcher is None else shape_draft(s.matcher, d, r.k, job.forced_drafts)
+            for s, d, r in zip(active, drafts, requests)]
 
 
 def retiring(s: Sequence) -> DraftRequest:
@@ -298,6 +316,8 @@ def _commit(s: Sequence, emitted: list[int], job: GenerateJob, cache: KVCache, d
         if scored is not None:
             s.logprobs.append(scored[j])
         if tok in job.eos_ids and not job.params.ignore_eos:
+            s.finish_reason = "stop"
+        elif s.matcher is not None and follow(s.matcher, tok):  # the grammar is complete
             s.finish_reason = "stop"
         elif job.should_stop is not None and job.should_stop(s.row, s.generated):
             s.finish_reason = "stop"

@@ -89,6 +89,7 @@ class LLM:
         self.speculative = speculative
         self.prefix_cache = self.new_prefix_pool(enable_prefix_caching, prefix_cache_gb)
         self._drafter_cache: tuple[SpeculativeConfig, Drafter] | None = None
+        self._grammars = None  # structured.GrammarCompiler, made on the first structured request
         self._cost_curves: dict[int, tuple[list[float], float]] = {}  # k_max -> (verify cost [k_max + 1], 1-token s)
 
     @property
@@ -110,8 +111,11 @@ class LLM:
         spec = self.speculative if speculative is _DEFAULT else speculative
         ids = self.encode(prompts)
         job = GenerateJob(ids, params, self._budgets(ids, params), eos_ids=self.eos_ids(), prefix=self.prefix_cache)
+        if params.structured is not None:
+            job.grammar = self.compile_grammar(params.structured)
         if spec is not None and spec.enabled:
             job.drafter, job.k, job.typical = self.drafter_for(spec), spec.k_max, spec.typical_rule
+            job.forced_drafts = bool(spec.options.get("grammar_drafts", True))
             if hasattr(job.drafter, "observe_hidden"):  # it reads the prompt's hidden states: no cached prefix
                 job.prefix = None
             if spec.adaptive:
@@ -264,6 +268,17 @@ class LLM:
     def token_text(self, token: int) -> str:
         """One token's own text (special tokens included), for Logprob.decoded_token."""
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def compile_grammar(self, spec):
+        """spec (structured.StructuredOutputs) compiled for this tokenizer, cached (the first one
+        builds the tokenizer's table: about a second for 150k tokens). A FieldError (a
+        ConfigError naming the field) where the engine cannot compile or enforce it."""
+        self.require_tokenizer()
+        if self._grammars is None:
+            from forerun.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return self._grammars.compile(spec)
 
     def require_tokenizer(self) -> None:
         """Raises ConfigError where this LLM has no tokenizer (text prompts need one)."""

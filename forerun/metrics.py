@@ -24,6 +24,7 @@ class SpecStats:
     verify_time: float = 0.0  # seconds spent in verifier forwards + verification
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
     prefill_chunks: int = 0  # the server's forwards that computed this prompt (chunked prefill)
+    forced: int = 0  # tokens a grammar forced into drafts and the verifier kept (not in drafted / accepted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -84,7 +85,7 @@ def merge(stats: list[SpecStats]) -> SpecStats:
     """Sum counters and times over sequences (e.g. a whole prompt set)."""
     out = SpecStats()
     for s in stats:
-        for name in ("generated", "drafted", "accepted", "rejections", "bonus", "verifier_forwards"):
+        for name in ("generated", "drafted", "accepted", "rejections", "bonus", "verifier_forwards", "forced"):
             setattr(out, name, getattr(out, name) + getattr(s, name))
         for name in ("prefill_time", "decode_time", "draft_time", "verify_time"):
             setattr(out, name, getattr(out, name) + getattr(s, name))

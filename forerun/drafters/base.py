@@ -42,6 +42,7 @@ class Draft:
     tokens: list[int]  # [n] drafted tokens; for a tree, parents come before children
     probs: torch.Tensor | None = None  # [n, V] q each token was drawn from; None = deterministic
     parents: list[int] | None = None  # [n] parent node index, -1 = the pending token; None = chain
+    forced: int = 0  # leading tokens a grammar forces (constrain.py): counted apart from the drafter's
 
     @classmethod
     def of(cls, tokens: list[int], q_rows: list[torch.Tensor]) -> "Draft":
