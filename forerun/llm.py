@@ -274,6 +274,10 @@ class LLM:
         builds the tokenizer's table: about a second for 150k tokens). A FieldError (a
         ConfigError naming the field) where the engine cannot compile or enforce it."""
         self.require_tokenizer()
+        if not hasattr(self.tokenizer, "backend_json"):
+            from forerun.errors import FieldError
+
+            raise FieldError(spec.field, "this model's tokenizer has no tokenizer.json for a grammar's token table")
         if self._grammars is None:
             from forerun.structured import GrammarCompiler
 

@@ -149,3 +149,16 @@ def test_a_k_above_the_servers_is_clamped_and_said(client):  # the server's k is
     assert "notes" not in client.completions.create(extra_body={"speculative": {"k": 3}}, **kw).model_extra["forerun"]
     chunks = list(client.completions.create(stream=True, extra_body={"speculative": {"k": 9}}, **kw))
     assert chunks[-1].model_extra["forerun"]["notes"] == clamped["notes"]
+
+
+def test_a_400_lists_every_problem_and_the_log_says_it(server, caplog):
+    import httpx
+
+    with caplog.at_level("WARNING", logger="forerun.serve"):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": [], "temperature": 5, "top_p": 0})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and all(f in message for f in ("messages", "temperature", "top_p")), message
+    assert any("temperature" in rec.getMessage() for rec in caplog.records)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                                              "guided_regex": "a("})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"  # the toy tokenizer: no grammar

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forerun.config import SamplingParams
-from forerun.errors import ForerunError
+from forerun.errors import FieldError, ForerunError
 from forerun.serve.auth import salt
 from forerun.serve.request import ServeRequest
 from forerun.serve.schemas import Sampling
@@ -66,7 +66,8 @@ def prompt_ids(llm, body: Sampling, prompt, limits: Limits) -> list[int]:
 
 
 def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: Limits, sink,
-                  logprobs: int | None = None, tenant: bytes = b"") -> ServeRequest:
+                  logprobs: int | None = None, tenant: bytes = b"", grammar=None) -> ServeRequest:
+    """grammar: the request's compiled structured output (compile_structured), or None."""
     ids = prompt_ids(llm, body, prompt, limits)
     room = limits.max_len - len(ids)
     if room < 1:
@@ -78,7 +79,27 @@ def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: L
                        code="context_length_exceeded", param="max_tokens")
     try:
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=wanted,
-                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=logprobs)
+                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=logprobs,
+                                structured=grammar.spec if grammar is not None else None)
     except ForerunError as e:
         raise ApiError(400, str(e)) from e
-    return ServeRequest(ids, params, wanted, request_k(body, limits), sink, cache_salt=salt(tenant, body.cache_salt))
+    return ServeRequest(ids, params, wanted, request_k(body, limits), sink, cache_salt=salt(tenant, body.cache_salt),
+                        grammar=grammar)
+
+
+def compile_structured(llm, body: Sampling):
+    """The request's structured output compiled for the model's tokenizer (cached), or None; a
+    400 naming the field where it is malformed, cannot compile, or asks what is not enforced.
+    Slow only the first time (the tokenizer's table): callers run it off the event loop."""
+    fields = body.structured_fields()
+    if not fields:
+        return None
+    from forerun.structured import from_request
+
+    try:
+        spec = from_request(fields)
+        return llm.compile_grammar(spec) if spec is not None else None
+    except FieldError as e:
+        raise ApiError(400, str(e), param=e.field) from e
+    except ForerunError as e:
+        raise ApiError(400, str(e), param=next(iter(fields))) from e

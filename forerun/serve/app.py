@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from forerun.serve.admission import ApiError, Limits, build_request, check_model, k_note, prompt_ids
+from forerun.serve.admission import ApiError, Limits, build_request, check_model, compile_structured, k_note, prompt_ids
 from forerun.serve.auth import ApiKeys, guarded
 from forerun.serve.metrics import ServeMetrics
 from forerun.serve.request import Event, ServeRequest
@@ -18,6 +19,7 @@ from forerun.serve.scheduler import QueueFull, Scheduler, TooLarge
 from forerun.serve.schemas import ChatRequest, CompletionRequest
 from forerun.serve.tokenize_routes import add_tokenizer_routes
 
+log = logging.getLogger("forerun.serve")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (401, "missing or incorrect API key (when the "
                                               "server has keys)"), (404, "unknown model"), (429, "queue full")]}
@@ -91,8 +93,9 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
     if echo is not None and max_tokens == 0:  # score the prompt only (lm-eval's log-likelihood)
         shape = Shape(chat, st.limits.model_names[0], len(echo.ids), echo=echo, logprob_n=n_logprobs)
         return JSONResponse(shape.full("", Event(finish_reason="length"), []))
+    grammar = await loop.run_in_executor(None, compile_structured, st.llm, body) if body.structured_fields() else None
     req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue), logprobs=n_logprobs,
-                        tenant=getattr(request.state, "tenant", b""))
+                        tenant=getattr(request.state, "tenant", b""), grammar=grammar)
     try:
         st.scheduler.submit(req)
     except QueueFull as e:
@@ -210,6 +213,7 @@ def _add_key_check(app: FastAPI, keys: ApiKeys, metrics: ServeMetrics) -> None:
 def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     def error(status: int, message: str, kind: str = "invalid_request_error", code=None, param=None):
         metrics.rejected.labels(str(status)).inc()
+        log.warning("forerun serve: %d %s", status, message)
         return JSONResponse(ApiError(status, message, kind, code, param).body(), status_code=status)
 
     @app.exception_handler(ApiError)
@@ -221,8 +225,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":  # loc is ("body", character offset): say where, as a line and column
             return error(400, _json_problem(e.body, first))
+        problems = [f"{'.'.join(str(x) for x in p.get('loc', ())[1:]) or 'body'}: {p.get('msg', 'invalid')}" for p in e.errors()]
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')} ({len(e.errors())} problem(s))", param=where)
+        return error(400, "; ".join(problems) if problems else "invalid request", param=where)
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):

@@ -33,6 +33,7 @@ class ServeRequest:
     k: int  # longest draft this request allows (0 = plain decoding), <= the server's k_max
     sink: Callable[[Event], None]  # called on the engine thread; must not block
     cache_salt: bytes = b""  # the tenant's part of the prefix-cache keys
+    grammar: object | None = None  # structured.CompiledGrammar the output follows (compiled at admission)
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -227,6 +227,8 @@ class Scheduler:
         seq = engine.Sequence(row, list(req.prompt), len(req.prompt), req.max_new, tenant=req.cache_salt)
         if req.params.logprobs is not None:
             seq.logprobs, seq.top_logprobs = [], req.params.logprobs
+        if req.grammar is not None:
+            seq.matcher = req.grammar.matcher()
         self.sync_table(row, table.blocks)
         emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated), logprobs=_new_logprobs(live)))  # noqa: E731
         stream = TextStream(self.llm.decode, req.params.stop, emit)

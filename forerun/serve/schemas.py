@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
+STRUCTURED_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend"}
 MAX_LOGPROBS = 20  # forerun.logprobs.MAX_LOGPROBS (not imported: this module stays torch-free)
 
 
@@ -49,6 +51,16 @@ class Sampling(Strict):
     # vLLM's field: the tenant's part of the prefix-cache keys; requests with another salt (or
     # none) never reuse this one's cached blocks.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Structured output (forerun/structured/request.py maps them; at most one per request):
+    # OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -63,6 +75,10 @@ class Sampling(Strict):
         if len(stops) > MAX_STOPS or any(not s or len(s) > 256 for s in stops):
             raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings of at most 256 characters")
         return self
+
+    def structured_fields(self) -> dict:
+        """The structured-output fields the request set (for structured.from_request)."""
+        return {k: v for k, v in self.model_dump(include=STRUCTURED_FIELDS).items() if v is not None}
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
