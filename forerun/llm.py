@@ -147,8 +147,11 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, speculative, stream)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt for `messages` (and the tools the model may call: OpenAI's tools[] entries)."""
         self.require_tokenizer()
+        if tools:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     # -- helpers -----------------------------------------------------------------------

@@ -137,8 +137,9 @@ class Tokenizer:
         return {**{name: _token_text(self._config.get(name)) for name in names}, "chat_template": self.chat_template,
                 "add_bos_token": self._add_bos}
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}]), as HF renders it."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]) and `tools`, as HF renders it."""
         if self._template is None:
             if not self.chat_template:
                 raise ForerunError("this model has no chat template; pass a plain prompt instead of messages")
@@ -146,7 +147,7 @@ class Tokenizer:
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
         special = {name: _token_text(self._config.get(name)) for name in names}
         return self._template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **special
         )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 MERGES = [("{", '"'), ('"', ":"), ('"', ","), ('"', "}"), ("t", "r"), ("tr", "u"), ("tru", "e"), ("n", "a"),
           ("na", "m"), ("nam", "e"), ("Ġ", "t"), ("a", "b")]
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED = ["<tool_call>", "</tool_call>"]  # as in Qwen2.5: whole tokens, but not special (decoded as text)
 
 
 def tiny_tokenizer_dir(folder: Path, chat_template: str | None = None) -> Path:
@@ -23,6 +24,7 @@ def tiny_tokenizer_dir(folder: Path, chat_template: str | None = None) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL)
+    tok.add_tokens(ADDED)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False}

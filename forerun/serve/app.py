@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 
 from forerun.serve.admission import ApiError, Limits, build_request, check_model, compile_structured, k_note, prompt_ids
 from forerun.serve.auth import ApiKeys, guarded
+from forerun.serve.chat_turn import chat_turn
 from forerun.serve.metrics import ServeMetrics
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.responses import DONE, Echo, Shape, sse
@@ -49,14 +50,11 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics, 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat(body: ChatRequest, request: Request):
         check_model(body, limits)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        if not any(m["content"].strip() for m in messages):
-            raise ApiError(400, "every message is empty: nothing to answer", param="messages")
-        try:
-            prompt = llm.apply_chat_template(messages)
-        except Exception as e:  # a template that refuses a role order, a model without a template
-            raise ApiError(400, f"chat template: {e}", param="messages") from e
-        return await _generate(request, body, prompt, body.limit(), chat=True)
+        turn = chat_turn(llm, body)
+        grammar = None
+        if turn.tools:
+            grammar = await asyncio.get_running_loop().run_in_executor(None, turn.compile, llm)
+        return await _generate(request, body, turn.prompt, body.limit(), chat=True, grammar=grammar, tools=bool(turn.tools))
 
     add_tokenizer_routes(app, llm, limits)
 
@@ -84,7 +82,9 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics, 
     return app
 
 
-async def _generate(request: Request, body, prompt, max_tokens: int | None, chat: bool):
+async def _generate(request: Request, body, prompt, max_tokens: int | None, chat: bool, grammar=None,
+                    tools: bool = False):
+    """grammar: the tool calls' (chat_turn), else the request's structured output is compiled here."""
     st = request.app.state
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -93,7 +93,8 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
     if echo is not None and max_tokens == 0:  # score the prompt only (lm-eval's log-likelihood)
         shape = Shape(chat, st.limits.model_names[0], len(echo.ids), echo=echo, logprob_n=n_logprobs)
         return JSONResponse(shape.full("", Event(finish_reason="length"), []))
-    grammar = await loop.run_in_executor(None, compile_structured, st.llm, body) if body.structured_fields() else None
+    if grammar is None and body.structured_fields():
+        grammar = await loop.run_in_executor(None, compile_structured, st.llm, body)
     req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue), logprobs=n_logprobs,
                         tenant=getattr(request.state, "tenant", b""), grammar=grammar)
     try:
@@ -103,7 +104,7 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
     except TooLarge as e:
         raise ApiError(400, str(e), code="context_length_exceeded", param="max_tokens") from e
     shape = Shape(chat, st.limits.model_names[0], len(req.prompt), echo=echo, logprob_n=n_logprobs,
-                  notes=tuple(n for n in [k_note(body, st.limits)] if n))
+                  notes=tuple(n for n in [k_note(body, st.limits)] if n), tools=tools)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(st.scheduler, req, queue, shape, usage), media_type="text/event-stream")
@@ -144,12 +145,16 @@ async def _stream(scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue,
                 yield sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}})
                 break
             entries = ev.logprobs  # the tokens generated since the last event: with this event's text
-            if ev.text or (first and (shape.chat or shape.echo is not None)):
-                yield shape.chunk(ev.text, first=first, logprobs=entries)
+            text = shape.streamable(ev.text)
+            if text or (first and (shape.chat or shape.echo is not None)):
+                yield shape.chunk(text, first=first, logprobs=entries)
                 first, entries = False, None
             if ev.finish_reason:
                 done = True
-                yield shape.chunk("", ev.finish_reason, logprobs=entries)
+                calls, finish = shape.tool_chunks(ev.finish_reason)
+                for c in calls:
+                    yield c
+                yield shape.chunk("", finish, logprobs=entries)
                 if usage:
                     yield shape.usage_chunk(ev)
         yield DONE

@@ -9,6 +9,7 @@ from typing import Callable
 
 from forerun.serve.logprob_format import chat_logprobs, completion_logprobs
 from forerun.serve.request import Event
+from forerun.structured.tools import held_back, parse as parse_calls
 
 
 @dataclass
@@ -34,6 +35,9 @@ class Shape:
     logprob_n: int | None = None  # top alternatives per token; None = no logprobs in the response
     _offset: int = 0  # completions: text_offset of the next streamed token
     notes: tuple[str, ...] = ()  # what the server changed in the request (a clamped k), in the `forerun` field
+    tools: bool = False  # chat with tools: calls in the text become message.tool_calls (structured/tools.py)
+    _text: str = ""  # streamed with tools: the text so far
+    _sent: int = 0  # ... and how much of it went out as content
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -67,8 +71,12 @@ class Shape:
         """The whole response; entries: every generated token's TokenLogprobs (when asked)."""
         logprobs = self._logprobs(entries, first=True)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": last.finish_reason}
+            message, finish = {"role": "assistant", "content": text}, last.finish_reason
+            if self.tools:
+                content, calls = parse_calls(text)
+                if calls:
+                    message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             body = self._head("chat.completion")
         else:
             text = (self.echo.text if self.echo is not None else "") + text
@@ -92,6 +100,30 @@ class Shape:
         if finish_reason and self.notes:  # (streamed: the last chunk says it; the usage chunk too)
             body["forerun"] = {"notes": list(self.notes)}
         return sse(body)
+
+    def streamable(self, text: str) -> str:
+        """The part of newly decoded text that may be streamed as content now: everything, or
+        with tools everything before a call (a call goes out whole, as tool_calls, at the end)."""
+        if not self.tools:
+            return text
+        self._text += text
+        upto = max(self._sent, held_back(self._text))
+        out, self._sent = self._text[self._sent : upto], upto
+        return out
+
+    def tool_chunks(self, finish_reason: str) -> tuple[list[str], str]:
+        """With tools, at the end: the chunks of held-back text or of the calls (id and name, and
+        arguments whole: the deltas join to exactly the final arguments), and the finish reason."""
+        if not self.tools:
+            return [], finish_reason
+        _, calls = parse_calls(self._text)
+        if not calls:
+            rest = self._text[self._sent :]
+            return ([self.chunk(rest)] if rest else []), finish_reason
+        deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+        body = self._head("chat.completion.chunk")
+        body["choices"] = [{"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}]
+        return [sse(body)], "tool_calls"
 
     def usage_chunk(self, last: Event) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")

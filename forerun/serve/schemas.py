@@ -112,17 +112,43 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # a JSON object, as text (OpenAI's form)
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (null only for an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries them")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    tools: list[dict] | None = Field(default=None, max_length=128)  # OpenAI's function tools (structured/tools.py)
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI's default
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None  # each generated token's logprob...
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # ...and the N most likely
