@@ -37,6 +37,12 @@ class SamplingParams:
     # Structured output (forerun.structured.StructuredOutputs: a JSON schema, regex, choice or
     # grammar the output must follow, enforced token by token); None: free text.
     structured: object | None = None
+    # forerun/penalties.py: added to a token's logit; OpenAI's penalties on output tokens; vLLM's
+    # repetition penalty on prompt and output tokens (1 = none)
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -57,6 +63,14 @@ class SamplingParams:
 
         check_count("logprobs", self.logprobs)
         check_count("prompt_logprobs", self.prompt_logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ConfigError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or tok < 0 or not -100.0 <= bias <= 100.0:
+                raise ConfigError(f"logit_bias maps token ids (integers >= 0) to values in [-100, 100], got {tok!r}: {bias!r}")
         if self.structured is not None:
             from forerun.structured.spec import StructuredOutputs
 

@@ -15,7 +15,9 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams
-from forerun.constrain import follow, mask_logits, shape_draft
+from forerun import penalties
+from forerun.constrain import first_branch, follow, mask_logits, shape_draft
+from forerun.penalties import Penalties
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv.cache import KVCache, chain_batch, tree_batch
 from forerun.kv.prefix import PrefixPool
@@ -39,6 +41,7 @@ class Sequence:
     top_logprobs: int | None = None  # N alternatives per token; None = no logprobs kept
     tenant: bytes = b""  # the prefix cache's salt: whose request (DraftRequest.tenant)
     matcher: object | None = None  # structured output: this row's grammar state (structured.RowMatcher)
+    penalties: Penalties | None = None  # logit_bias and repetition penalties of this row (penalties.py)
 
     @property
     def generated(self) -> list[int]:
@@ -75,8 +78,9 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     if job.params.logprobs is not None:
         for s in seqs:
             s.logprobs, s.top_logprobs = [], job.params.logprobs
-    if job.grammar is not None:
-        for s in seqs:
+    for s in seqs:
+        s.penalties = Penalties.of(job.params)
+        if job.grammar is not None:
             s.matcher = job.grammar.matcher()
     capacity = max(len(s.tokens) + s.max_new for s in seqs) + _max_draft_nodes(job) + 1
     cache = model.new_cache(len(seqs), capacity)
@@ -149,6 +153,7 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     out = model(batch, cache)
     logits = out.logits  # [B, K + 1, V]
     shaped = mask_logits(logits, [s.matcher for s in active], drafts)  # the grammars' (same tensor without one)
+    shaped = penalties.apply(shaped, logits, active, drafts)  # then logit_bias and the penalties
     result = _verify(shaped, drafts, job.params, generator, job.typical)
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
     paths = [list(range(n)) for n in num_accepted]
@@ -175,7 +180,8 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
     batch = tree_batch(new, parents, starts, [s.row for s in active], model.device)
     out = model(batch, cache)
     logits = out.logits  # [B, T, V]
-    shaped = mask_logits(logits, [s.matcher for s in active], drafts)  # (constrained rows hold chains)
+    shaped = mask_logits(logits, [s.matcher for s in active], drafts)  # (constrained / penalized rows hold chains)
+    shaped = penalties.apply(shaped, logits, active, drafts)
     greedy = job.params.greedy
     target = shaped if greedy else logits_to_probs(shaped, job.params)
     if job.typical is not None and not greedy:
@@ -252,6 +258,7 @@ def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]
     requests = [DraftRequest(s.row, s.tokens, max(0, min(kb, s.remaining - 1)), s.prompt_len, s.tenant)
                 for s, kb in zip(active, k)]
     drafts = job.drafter.propose(requests, job.params, generator)
+    drafts = [first_branch(d) if d.is_tree and s.penalties is not None else d for s, d in zip(active, drafts)]
     return [d if s.matcher is None else shape_draft(s.matcher, d, r.k, job.forced_drafts)
             for s, d, r in zip(active, drafts, requests)]
 

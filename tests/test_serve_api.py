@@ -86,7 +86,11 @@ BAD = [
     ({"prompt": "x", "speculative": {"method": "eagle"}}, 400),
     ({"prompt": "x", "speculative": {"k": -1}}, 400),
     ({"prompt": "x", "frequency_penalty": False}, 400),  # False == 0, but not a number (found by the fuzz test)
-    ({"prompt": "x", "presence_penalty": 0.5}, 400),  # penalties are not supported
+    ({"prompt": "x", "presence_penalty": 2.5}, 400),  # outside OpenAI's [-2, 2]
+    ({"prompt": "x", "repetition_penalty": 0}, 400),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, 400),  # past the vocabulary
     ({}, 400),
 ]
 
@@ -162,3 +166,16 @@ def test_a_400_lists_every_problem_and_the_log_says_it(server, caplog):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "x"}],
                                                               "guided_regex": "a("})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"  # the toy tokenizer: no grammar
+
+
+def test_penalties_and_logit_bias_are_applied_and_openai_extras_accepted(server, caplog):
+    with server.client() as c:
+        ask = {"model": NAME, "prompt": "abcabc", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        plain = c.post("/v1/completions", json=ask).json()["choices"][0]["text"]
+        banned = c.post("/v1/completions", json={**ask, "logit_bias": {str(ord(plain[0]) - 48): -100}}).json()
+        assert banned["choices"][0]["text"][0] != plain[0]
+        with caplog.at_level("WARNING", logger="forerun.serve"):
+            r = c.post("/v1/completions", json={**ask, "frequency_penalty": 2, "presence_penalty": 1.5,
+                                                "repetition_penalty": 1.3, "store": False, "metadata": {"a": "b"}})
+        assert r.status_code == 200, r.text
+        assert any("store" in rec.getMessage() and "metadata" in rec.getMessage() for rec in caplog.records)

@@ -80,11 +80,23 @@ def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: L
     try:
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=wanted,
                                 seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=logprobs,
-                                structured=grammar.spec if grammar is not None else None)
+                                structured=grammar.spec if grammar is not None else None,
+                                logit_bias=_bias(body, llm), presence_penalty=body.presence_penalty,
+                                frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
     except ForerunError as e:
         raise ApiError(400, str(e)) from e
     return ServeRequest(ids, params, wanted, request_k(body, limits), sink, cache_salt=salt(tenant, body.cache_salt),
                         grammar=grammar)
+
+
+def _bias(body: Sampling, llm) -> dict[int, float] | None:
+    if not body.logit_bias:
+        return None
+    vocab = llm.model.config.vocab_size
+    bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+    if any(k >= vocab for k in bias):
+        raise ApiError(400, f"logit_bias: token ids must be below the vocabulary's {vocab}", param="logit_bias")
+    return bias
 
 
 def compile_structured(llm, body: Sampling):

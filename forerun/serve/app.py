@@ -21,7 +21,8 @@ from forerun.serve.schemas import ChatRequest, CompletionRequest
 from forerun.serve.tokenize_routes import add_tokenizer_routes
 
 log = logging.getLogger("forerun.serve")
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+DISCONNECT_POLL_S = 0.25
+_SAID: set[str] = set()  # unused OpenAI fields already named in the log  # how often a non-streaming request checks that its client is still there
 ERRORS = {s: {"description": d} for s, d in [(400, "invalid request"), (401, "missing or incorrect API key (when the "
                                               "server has keys)"), (404, "unknown model"), (429, "queue full")]}
 
@@ -87,6 +88,9 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
     """grammar: the tool calls' (chat_turn), else the request's structured output is compiled here."""
     st = request.app.state
     loop = asyncio.get_running_loop()
+    if (unused := body.unused_fields()) and not set(unused) <= _SAID:
+        _SAID.update(unused)  # (once per field name: a client that always sends them fills no log)
+        log.warning("forerun serve: accepted and not used: %s", ", ".join(unused))
     queue: asyncio.Queue[Event] = asyncio.Queue()
     n_logprobs = body.logprob_count() if chat else body.logprobs
     echo = None if chat else await _echo(st, body, prompt, loop)

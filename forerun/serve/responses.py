@@ -141,7 +141,8 @@ def spec_summary(last: Event) -> dict | None:
     if s is None:
         return None
     return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
-            "mean_accepted_length": round(s.mean_accepted_length, 4), "verifier_forwards": s.verifier_forwards}
+            "mean_accepted_length": round(s.mean_accepted_length, 4), "verifier_forwards": s.verifier_forwards,
+            "forced": s.forced}
 
 
 def sse(body: dict) -> str:

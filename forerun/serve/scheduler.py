@@ -33,6 +33,7 @@ from forerun.sampling import make_generator
 from forerun.serve.batch_k import BatchK
 from forerun.kv.blocks import BlockAllocator, BlockTable
 from forerun.kv.paged import PagedKVCache
+from forerun.penalties import Penalties
 from forerun.prefill import PrefixWrite
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.step import Live, step_all
@@ -229,6 +230,7 @@ class Scheduler:
             seq.logprobs, seq.top_logprobs = [], req.params.logprobs
         if req.grammar is not None:
             seq.matcher = req.grammar.matcher()
+        seq.penalties = Penalties.of(req.params)
         self.sync_table(row, table.blocks)
         emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated), logprobs=_new_logprobs(live)))  # noqa: E731
         stream = TextStream(self.llm.decode, req.params.stop, emit)

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
+UNUSED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "reasoning_effort", "user")
 STRUCTURED_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend"}
 MAX_LOGPROBS = 20  # forerun.logprobs.MAX_LOGPROBS (not imported: this module stays torch-free)
@@ -45,8 +46,18 @@ class Sampling(Strict):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, allow_inf_nan=False)  # vLLM's
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)  # token id (as text) -> [-100, 100]
+    # OpenAI fields forerun accepts and does not use (named in the server's log, one line a request)
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    reasoning_effort: str | None = None
     speculative: SpeculativeOptions | None = None
     # vLLM's field: the tenant's part of the prefix-cache keys; requests with another salt (or
     # none) never reuse this one's cached blocks.
@@ -62,12 +73,26 @@ class Sampling(Strict):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", mode="before")
     @classmethod
     def _penalty_is_a_number(cls, v):
-        if isinstance(v, bool):  # False == 0 passes a Literal[0] check even in strict mode
-            raise ValueError("penalties are not supported: leave them out or send the number 0")
+        if isinstance(v, bool):  # False == 0 would pass as a number
+            raise ValueError("a penalty is a number, not true or false")
+        if isinstance(v, int):  # strict mode refuses an int for a float; OpenAI's clients send 0
+            return float(v)
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, value in (v or {}).items():
+            if not key.isdigit() or not -100.0 <= value <= 100.0:
+                raise ValueError(f"maps token ids (digits) to values in [-100, 100]; got {key!r}: {value!r}")
+        return v
+
+    def unused_fields(self) -> list[str]:
+        """The OpenAI fields this request set that forerun accepts without using."""
+        return [f for f in UNUSED if getattr(self, f) is not None]
 
     @model_validator(mode="after")
     def _stops(self):

@@ -1,0 +1,174 @@
+"""Structured-output workloads against OpenAI-style servers: JSON extraction with a strict
+`json_schema`, and tool calls with `tool_choice: required`, built at run time from the Python
+standard library's function docstrings (never stored). Per server: seconds per request,
+completion tokens per second end to end, share of outputs that validate, and which outputs
+are identical to the first server's (plain decoding first: speculation must not change a
+token).
+
+    python -m forerun.bench.structured --kind json --tasks 8 --max-tokens 256 \\
+        --forerun "--model qwen2.5-coder-1.5b --dtype gguf --method none" \\
+        --forerun "--model qwen2.5-coder-1.5b --dtype gguf --method draft_model --draft-model qwen2.5-coder-0.5b --k 4" \\
+        --llama-server /path/to/llama-server --gguf <the 1.5B's .gguf> --out forerun-runs/structured
+
+Every server starts once and is kept; the tasks are played one after another, the servers
+taking turns task by task. Greedy. llama-server gets `--jinja` (its tool calls need it).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from forerun.bench.sessions import MODULES, _functions
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "function": {"type": "string", "maxLength": 40},
+        "summary": {"type": "string", "maxLength": 160},
+        "parameters": {"type": "array", "maxItems": 6, "items": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                             "meaning": {"type": "string", "maxLength": 100}},
+            "required": ["name", "meaning"], "additionalProperties": False}},
+        "returns": {"type": "string", "maxLength": 100},
+    },
+    "required": ["function", "summary", "parameters", "returns"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "function": {
+    "name": "record_function", "description": "Record what a function of the code base does.",
+    "parameters": SCHEMA}}
+
+
+def tasks(n: int) -> list[tuple[str, str]]:
+    """(function name, its signature and docstring) from the standard library's modules."""
+    out = []
+    for module in MODULES:
+        mod = importlib.import_module(module)
+        for name, doc in _functions(Path(mod.__file__).read_text()):
+            fn = getattr(mod, name, None)
+            try:
+                sig = str(inspect.signature(fn)) if fn is not None else "(...)"
+            except (TypeError, ValueError):
+                sig = "(...)"
+            out.append((name, f"def {name}{sig}:\n    \"\"\"{doc}\"\"\""))
+            if len(out) == n:
+                return out
+    return out
+
+
+def body(kind: str, source: str, max_tokens: int) -> dict:
+    ask = f"Describe this function of the Python standard library as JSON.\n\n```python\n{source}\n```"
+    b = {"messages": [{"role": "user", "content": ask}], "max_tokens": max_tokens, "temperature": 0}
+    if kind == "json":
+        b["response_format"] = {"type": "json_schema", "json_schema": {"name": "function", "schema": SCHEMA, "strict": True}}
+    else:
+        b["messages"][0]["content"] = ask.replace("as JSON", "by calling record_function")
+        b.update(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    return b
+
+
+def valid(value, schema: dict = SCHEMA) -> bool:
+    """The extraction schema's rules, checked by hand (types, required keys, no others, lengths)."""
+    if not isinstance(value, dict) or set(value) != set(schema["required"]):
+        return False
+    ok = all(isinstance(value[k], str) and len(value[k]) <= schema["properties"][k]["maxLength"]
+             for k in ("function", "summary", "returns"))
+    params = value["parameters"]
+    return ok and isinstance(params, list) and len(params) <= 6 and all(
+        isinstance(p, dict) and set(p) == {"name", "meaning"} and all(isinstance(v, str) for v in p.values()) for p in params)
+
+
+def ask(client: httpx.Client, kind: str, source: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    r = client.post("/v1/chat/completions", json=body(kind, source, max_tokens))
+    seconds = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+    reply = r.json()
+    choice = reply["choices"][0]
+    if kind == "json":
+        text = choice["message"].get("content") or ""
+    else:
+        calls = choice["message"].get("tool_calls") or []
+        text = calls[0]["function"]["arguments"] if calls else (choice["message"].get("content") or "")
+    try:
+        ok = valid(json.loads(text))
+    except ValueError:
+        ok = False
+    return {"seconds": seconds, "tokens": reply["usage"]["completion_tokens"], "text": text, "valid": ok,
+            "finish": choice["finish_reason"], "forerun": reply.get("forerun")}
+
+
+def summary(runs: list[dict], reference: list[dict]) -> dict:
+    finished = [r for r in runs if r["finish"] != "length"]
+    tau = [r["forerun"].get("mean_accepted_length") for r in runs if r.get("forerun")]
+    forced = sum(r["forerun"].get("forced", 0) for r in runs if r.get("forerun")) if tau else None
+    return {"requests": len(runs), "s_per_request": round(statistics.mean(r["seconds"] for r in runs), 2),
+            "tok_s": round(sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs), 2),
+            "valid_share": round(sum(r["valid"] for r in finished) / max(1, len(finished)), 3),
+            "cut_at_max_tokens": len(runs) - len(finished),
+            "identical_to_first": sum(r["text"] == q["text"] for r, q in zip(runs, reference)),
+            "tau": round(statistics.mean(tau), 3) if tau else None, "forced": forced}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from forerun.bench.launch import Launched, free_port
+
+    p = argparse.ArgumentParser(prog="python -m forerun.bench.structured", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--kind", choices=["json", "tools"], default="json")
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=4096, help="each server's context")
+    p.add_argument("--forerun", action="append", default=[], help="`forerun serve` options, one server each (repeatable)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (run with --jinja)")
+    p.add_argument("--llama-extra", action="append", default=[], help="more llama-server flags, one server each")
+    p.add_argument("--gguf", default=None, help="the GGUF llama-server loads")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="forerun-runs/structured")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    servers = [(f"forerun {a}", [sys.executable, "-m", "forerun.cli", "serve", *shlex.split(a), "--port", "{port}",
+                                 "--max-len", str(args.max_len)]) for a in args.forerun]
+    if args.llama_server:
+        for extra in [""] + list(args.llama_extra):
+            servers.append((f"llama-server {extra}".strip(), [args.llama_server, "-m", args.gguf, "-t", str(args.threads), "-c",
+                                                             str(args.max_len), "-np", "1", "--jinja", "--port", "{port}",
+                                                             *shlex.split(extra)]))
+    work = tasks(args.tasks)
+    results: dict[str, list[dict]] = {label: [] for label, _ in servers}
+    launched = []
+    try:
+        for label, template in servers:
+            port = free_port()
+            server = Launched([a.replace("{port}", str(port)) for a in template], port, out / f"server-{len(launched)}.log")
+            launched.append((label, server, server.__enter__()))
+        for name, source in work:
+            for label, _, url in launched:
+                with httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+                    run = ask(client, args.kind, source, args.max_tokens)
+                results[label].append(run)
+                print(json.dumps({"server": label, "task": name, **{k: run[k] for k in ("seconds", "tokens", "valid", "finish")}}),
+                      flush=True)
+    finally:
+        for _, server, _ in launched:
+            server.stop()
+    first = next(iter(results.values()))
+    report = {label: summary(runs, first) for label, runs in results.items()}
+    (out / f"structured-{args.kind}.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))
+    for label, figures in report.items():
+        print(f"{label}: {json.dumps(figures)}")
+
+
+if __name__ == "__main__":
+    main()
