@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -17,7 +18,9 @@ from forerun.serve.metrics import ServeMetrics
 from forerun.serve.request import Event, ServeRequest
 from forerun.serve.responses import DONE, Echo, Shape, sse
 from forerun.serve.scheduler import QueueFull, Scheduler, TooLarge
-from forerun.serve.schemas import ChatRequest, CompletionRequest
+from forerun.serve.responses_api import ResponseShape, ResponsesRequest, from_chat, to_chat
+from forerun.serve.responses_api import events as response_events
+from forerun.serve.schemas import ChatRequest, CompletionRequest, StreamOptions
 from forerun.serve.tokenize_routes import add_tokenizer_routes
 
 log = logging.getLogger("forerun.serve")
@@ -56,6 +59,20 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics, 
         if turn.tools:
             grammar = await asyncio.get_running_loop().run_in_executor(None, turn.compile, llm)
         return await _generate(request, body, turn.prompt, body.limit(), chat=True, grammar=grammar, tools=bool(turn.tools))
+
+    @app.post("/v1/responses", responses=ERRORS)
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, decoded as the chat request it amounts to (responses_api.py)."""
+        as_chat = to_chat(body)
+        if body.stream:
+            as_chat = as_chat.model_copy(update={"stream": True, "stream_options": StreamOptions(include_usage=True)})
+        shape = ResponseShape(limits.model_names[0], body)
+        reply = await chat(as_chat, request)
+        if body.stream:
+            return StreamingResponse(response_events(shape, reply.body_iterator), media_type="text/event-stream")
+        if reply.status_code != 200:
+            return reply
+        return JSONResponse(from_chat(shape, json.loads(reply.body)))
 
     add_tokenizer_routes(app, llm, limits)
 
