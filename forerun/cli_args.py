@@ -118,6 +118,8 @@ def add_common(p: argparse.ArgumentParser):
     p.add_argument("--suffix-min-score", type=float, default=None,
                    help="suffix with --draft-model: a row drafts from its suffix tree when the tree's expected accepted "
                         "tokens reach this, else from the draft model (default: 1.0)")
+    p.add_argument("--no-grammar-drafts", action="store_true",
+                   help="structured outputs: do not lead drafts with the tokens a grammar forces (to measure what they give)")
     p.add_argument("--skip-layers", default=None, help="layer_skip: comma-separated layers (default: tuned profile)")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the first N layers (default: half)")
     p.add_argument("--quant-bits", type=int, default=8, choices=[8, 4], help="quantized: the self-draft's weight bits (int8 or int4)")
@@ -158,6 +160,7 @@ def configs(args):
                  **({"head_dtype": args.head_dtype} if args.head_dtype else {}),
                  **({"suffix_cache_requests": args.suffix_cache_requests} if args.suffix_cache_requests is not None else {}),
                  **({"suffix_min_score": args.suffix_min_score} if args.suffix_min_score is not None else {}),
+                 **({"grammar_drafts": False} if args.no_grammar_drafts else {}),
                  **({"k_max": args.k_max} if args.k == "auto" else {})},
     )
     return params, spec

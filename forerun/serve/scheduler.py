@@ -77,6 +77,7 @@ class Scheduler:
         self.llm, self.model, self.cfg, self.metrics = llm, llm.model, cfg, metrics
         self.spec = spec if spec is not None and spec.enabled else None
         self.k_max = self.spec.k_max if self.spec else 0
+        self.forced_drafts = bool(self.spec.options.get("grammar_drafts", True)) if self.spec else True
         self.drafter = llm.drafter_for(self.spec) if self.spec else None
         nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(self.k_max) if self.drafter else 0
         self.capacity = cfg.max_len + nodes + 1
