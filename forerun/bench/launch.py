@@ -100,3 +100,55 @@ def serve_in_thread(app):
     while not server.started:
         time.sleep(0.05)
     return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def server_argvs(forerun: list[str], max_len: int, llama_server: str | None = None, gguf: str | None = None,
+                 threads: int = 2, llama_extra: list[str] = (), llama_flags: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
+    """(label, argv with "{port}") for each `forerun serve` option string, then llama-server
+    plain and once per extra flag string (the same GGUF, threads and context; llama_flags go to
+    every llama-server, e.g. --jinja)."""
+    import shlex
+    import sys
+
+    servers = [(f"forerun {a}", [sys.executable, "-m", "forerun.cli", "serve", *shlex.split(a), "--port", "{port}",
+                                 "--max-len", str(max_len)]) for a in forerun]
+    if llama_server:
+        for extra in ["", *llama_extra]:
+            servers.append((f"llama-server {extra}".strip(), [llama_server, "-m", gguf, "-t", str(threads), "-c", str(max_len),
+                                                             "-np", "1", *llama_flags, "--port", "{port}", *shlex.split(extra)]))
+    return servers
+
+
+class Servers:
+    """`with Servers(server_argvs(...), out) as urls:` every server started (one log each in out),
+    [(label, url)] while the block runs, all stopped after."""
+
+    def __init__(self, servers: list[tuple[str, list[str]]], out: Path):
+        self.servers, self.out, self.running = servers, out, []
+
+    def __enter__(self) -> list[tuple[str, str]]:
+        try:
+            for label, template in self.servers:
+                port = free_port()
+                server = Launched([a.replace("{port}", str(port)) for a in template], port, self.out / f"server-{len(self.running)}.log")
+                self.running.append((label, server, server.__enter__()))
+        except BaseException:
+            self.__exit__()
+            raise
+        return [(label, url) for label, _, url in self.running]
+
+    def __exit__(self, *exc) -> None:
+        for _, server, _ in self.running:
+            server.stop()
+
+
+def add_server_options(p, max_len: int, out: str) -> None:
+    """The flags of a workload that plays against forerun servers and llama-server (server_argvs')."""
+    p.add_argument("--max-len", type=int, default=max_len, help="each server's context")
+    p.add_argument("--forerun", action="append", default=[], help="`forerun serve` options, one server each (repeatable)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary: plain, then once per --llama-extra")
+    p.add_argument("--llama-extra", action="append", default=[], help="more llama-server flags, one server each "
+                   "(e.g. '--spec-type ngram-mod')")
+    p.add_argument("--gguf", default=None, help="the GGUF llama-server loads (the same file forerun's model came from)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=out)

@@ -22,9 +22,7 @@ import argparse
 import ast
 import importlib
 import json
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,55 +145,29 @@ def summary(turns: list[list[Turn]]) -> dict:
             "tokens": sum(t.tokens for s in turns for t in s)}
 
 
-def _servers(args) -> list[tuple[str, list[str]]]:
-    """(label, argv with {port}) of every server asked for."""
-    servers = [(f"forerun {a}", [sys.executable, "-m", "forerun.cli", "serve", *shlex.split(a), "--port", "{port}",
-                                 "--max-len", str(args.max_len)]) for a in args.forerun]
-    if args.llama_server:
-        for extra in [""] + list(args.llama_extra):
-            argv = [args.llama_server, "-m", args.gguf, "-t", str(args.threads), "-c", str(args.max_len), "-np", "1",
-                    "--port", "{port}", *shlex.split(extra)]
-            servers.append((f"llama-server {extra}".strip(), argv))
-    return servers
-
-
 def main(argv: list[str] | None = None) -> None:
-    from forerun.bench.launch import Launched, free_port
+    from forerun.bench.launch import Servers, add_server_options, server_argvs
 
     p = argparse.ArgumentParser(prog="python -m forerun.bench.sessions", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sessions", type=int, default=2)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--max-len", type=int, default=8192, help="each server's context")
-    p.add_argument("--forerun", action="append", default=[], help="`forerun serve` options, one server each (repeatable)")
-    p.add_argument("--llama-server", default=None, help="llama-server binary: plain, then once per --llama-extra")
-    p.add_argument("--llama-extra", action="append", default=[], help="more llama-server flags, one server each "
-                   "(e.g. '--spec-type ngram-mod')")
-    p.add_argument("--gguf", default=None, help="the GGUF llama-server loads (the same file forerun's model came from)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="forerun-runs/sessions")
+    add_server_options(p, 8192, "forerun-runs/sessions")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sessions = build_sessions(args.sessions, args.turns)
     results: dict[str, list[list[Turn]]] = {}
-    launched = []
-    try:
-        for label, template in _servers(args):
-            port = free_port()
-            server = Launched([a.replace("{port}", str(port)) for a in template], port, out / f"server-{len(launched)}.log")
-            launched.append((label, server, server.__enter__()))
+    servers = server_argvs(args.forerun, args.max_len, args.llama_server, args.gguf, args.threads, args.llama_extra)
+    with Servers(servers, out) as urls:
         for session in sessions:  # servers take turns, session by session
-            for label, _, url in launched:
+            for label, url in urls:
                 turns = play(url, session, args.max_tokens)
                 results.setdefault(label, []).append(turns)
                 print(json.dumps({"server": label, "module": session.module, "session_s": round(sum(t.seconds for t in turns), 2),
                                   "ttft_s": [round(t.ttft, 2) for t in turns], "tokens": [t.tokens for t in turns],
                                   "cached": [t.cached_tokens for t in turns]}), flush=True)
-    finally:
-        for _, server, _ in launched:
-            server.stop()
     report = {label: summary(turns) for label, turns in results.items()}
     (out / "sessions.json").write_text(json.dumps(report, indent=1))
     for label, figures in report.items():

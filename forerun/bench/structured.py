@@ -19,9 +19,7 @@ import argparse
 import importlib
 import inspect
 import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -121,48 +119,29 @@ def summary(runs: list[dict], reference: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from forerun.bench.launch import Launched, free_port
+    from forerun.bench.launch import Servers, add_server_options, server_argvs
 
     p = argparse.ArgumentParser(prog="python -m forerun.bench.structured", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--kind", choices=["json", "tools"], default="json")
     p.add_argument("--tasks", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=4096, help="each server's context")
-    p.add_argument("--forerun", action="append", default=[], help="`forerun serve` options, one server each (repeatable)")
-    p.add_argument("--llama-server", default=None, help="llama-server binary (run with --jinja)")
-    p.add_argument("--llama-extra", action="append", default=[], help="more llama-server flags, one server each")
-    p.add_argument("--gguf", default=None, help="the GGUF llama-server loads")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="forerun-runs/structured")
+    add_server_options(p, 4096, "forerun-runs/structured")  # (llama-server runs with --jinja: its tool calls need it)
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    servers = [(f"forerun {a}", [sys.executable, "-m", "forerun.cli", "serve", *shlex.split(a), "--port", "{port}",
-                                 "--max-len", str(args.max_len)]) for a in args.forerun]
-    if args.llama_server:
-        for extra in [""] + list(args.llama_extra):
-            servers.append((f"llama-server {extra}".strip(), [args.llama_server, "-m", args.gguf, "-t", str(args.threads), "-c",
-                                                             str(args.max_len), "-np", "1", "--jinja", "--port", "{port}",
-                                                             *shlex.split(extra)]))
+    servers = server_argvs(args.forerun, args.max_len, args.llama_server, args.gguf, args.threads, args.llama_extra,
+                           llama_flags=("--jinja",))
     work = tasks(args.tasks)
     results: dict[str, list[dict]] = {label: [] for label, _ in servers}
-    launched = []
-    try:
-        for label, template in servers:
-            port = free_port()
-            server = Launched([a.replace("{port}", str(port)) for a in template], port, out / f"server-{len(launched)}.log")
-            launched.append((label, server, server.__enter__()))
+    with Servers(servers, out) as urls:
         for name, source in work:
-            for label, _, url in launched:
+            for label, url in urls:
                 with httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
                     run = ask(client, args.kind, source, args.max_tokens)
                 results[label].append(run)
                 print(json.dumps({"server": label, "task": name, **{k: run[k] for k in ("seconds", "tokens", "valid", "finish")}}),
                       flush=True)
-    finally:
-        for _, server, _ in launched:
-            server.stop()
     first = next(iter(results.values()))
     report = {label: summary(runs, first) for label, runs in results.items()}
     (out / f"structured-{args.kind}.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))

@@ -21,11 +21,21 @@ def match_ends(arr: np.ndarray, n_max: int) -> list[np.ndarray]:
     >>> [e.tolist() for e in match_ends(np.array([1, 2, 3, 9, 1, 2]), 3)]
     [[1], [1]]
     """
-    ends, levels = np.flatnonzero(arr[:-1] == arr[-1]), []
-    for n in range(1, min(n_max, len(arr) - 1) + 1):
+    return pattern_ends(arr[:-1], arr, n_max)
+
+
+def pattern_ends(hay: np.ndarray, pattern: np.ndarray, n_max: int) -> list[np.ndarray]:
+    """levels[n - 1]: ends e (ascending) of the windows hay[e - n + 1 .. e] equal to the
+    pattern's last n tokens, for n = 1, 2, ... up to n_max or the first n without one.
+
+    >>> [e.tolist() for e in pattern_ends(np.array([1, 2, 3, -1, 2, 3, 7]), np.array([9, 2, 3]), 3)]
+    [[2, 5], [2, 5]]
+    """
+    ends, levels = np.flatnonzero(hay == pattern[-1]), []
+    for n in range(1, min(n_max, len(pattern)) + 1):
         if n > 1:
             ends = ends[ends >= n - 1]
-            ends = ends[arr[ends - (n - 1)] == arr[-n]]
+            ends = ends[hay[ends - (n - 1)] == pattern[-n]]
         if not ends.size:
             break
         levels.append(ends)

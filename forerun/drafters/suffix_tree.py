@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from forerun.drafters.ngram import pattern_ends
+
 SEP = -1  # between texts in a haystack: no token equals it, so no match or continuation crosses it
 
 
@@ -47,24 +49,6 @@ class Candidate:
     @classmethod
     def empty(cls) -> "Candidate":
         return cls([], [], 0.0, 0)
-
-
-def pattern_ends(hay: np.ndarray, pattern: np.ndarray, n_max: int) -> list[np.ndarray]:
-    """levels[n - 1]: ends e (ascending) of the windows hay[e - n + 1 .. e] equal to the
-    pattern's last n tokens, for n = 1, 2, ... up to n_max or the first n without one.
-
-    >>> [e.tolist() for e in pattern_ends(np.array([1, 2, 3, -1, 2, 3, 7]), np.array([9, 2, 3]), 3)]
-    [[2, 5], [2, 5]]
-    """
-    ends, levels = np.flatnonzero(hay == pattern[-1]), []
-    for n in range(1, min(n_max, len(pattern)) + 1):
-        if n > 1:
-            ends = ends[ends >= n - 1]
-            ends = ends[hay[ends - (n - 1)] == pattern[-n]]
-        if not ends.size:
-            break
-        levels.append(ends)
-    return levels
 
 
 def continuations(hay: np.ndarray, ends: np.ndarray, depth: int) -> list[list[int]]:
