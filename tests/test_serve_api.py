@@ -77,7 +77,8 @@ BAD = [
     ({"prompt": "x", "max_tokens": 10**6}, 400),  # beyond the context
     ({"prompt": "x" * 300}, 400),  # prompt over the context (256)
     ({"prompt": [1000]}, 400),  # token id outside the vocabulary
-    ({"prompt": "x", "n": 3}, 400),
+    ({"prompt": "x", "n": 17}, 400),
+    ({"prompt": "x", "n": 2, "stream": True}, 400),
     ({"prompt": "x", "seed": -1}, 400),
     ({"prompt": "x", "stop": ["a"] * 9}, 400),
     ({"prompt": ""}, 400),
@@ -179,3 +180,13 @@ def test_penalties_and_logit_bias_are_applied_and_openai_extras_accepted(server,
                                                 "repetition_penalty": 1.3, "store": False, "metadata": {"a": "b"}})
         assert r.status_code == 200, r.text
         assert any("store" in rec.getMessage() and "metadata" in rec.getMessage() for rec in caplog.records)
+
+
+def test_n_choices_are_the_seeded_requests_one_by_one(server):
+    with server.client() as c:
+        ask = {"model": NAME, "prompt": "abc", "max_tokens": 10, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+        many = c.post("/v1/completions", json={**ask, "n": 3}).json()
+        alone = [c.post("/v1/completions", json={**ask, "seed": 7 + i}).json()["choices"][0]["text"] for i in range(3)]
+    assert [ch["index"] for ch in many["choices"]] == [0, 1, 2]
+    assert [ch["text"] for ch in many["choices"]] == alone and len(set(alone)) > 1
+    assert many["usage"]["completion_tokens"] == 30

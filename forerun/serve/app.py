@@ -116,20 +116,44 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
         return JSONResponse(shape.full("", Event(finish_reason="length"), []))
     if grammar is None and body.structured_fields():
         grammar = await loop.run_in_executor(None, compile_structured, st.llm, body)
-    req = build_request(st.llm, body, prompt, max_tokens, st.limits, _sink(loop, queue), logprobs=n_logprobs,
-                        tenant=getattr(request.state, "tenant", b""), grammar=grammar)
+    if body.n > 1 and body.stream:
+        raise ApiError(400, "n: more than one choice is served without streaming only (stream: false)", param="n")
+    # n choices: n requests decoded side by side (a seeded one's i-th choice draws with seed + i)
+    bodies = [body if body.seed is None or not i else body.model_copy(update={"seed": body.seed + i}) for i in range(body.n)]
+    queues = [queue] + [asyncio.Queue() for _ in bodies[1:]]
+    reqs = [build_request(st.llm, b, prompt, max_tokens, st.limits, _sink(loop, q), logprobs=n_logprobs,
+                          tenant=getattr(request.state, "tenant", b""), grammar=grammar) for b, q in zip(bodies, queues)]
     try:
-        st.scheduler.submit(req)
+        for req in reqs:
+            st.scheduler.submit(req)
     except QueueFull as e:
+        for req in reqs:
+            req.cancel()
         raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full") from e
     except TooLarge as e:
         raise ApiError(400, str(e), code="context_length_exceeded", param="max_tokens") from e
-    shape = Shape(chat, st.limits.model_names[0], len(req.prompt), echo=echo, logprob_n=n_logprobs,
-                  notes=tuple(n for n in [k_note(body, st.limits)] if n), tools=tools)
+    shapes = [Shape(chat, st.limits.model_names[0], len(reqs[0].prompt), echo=echo, logprob_n=n_logprobs,
+                    notes=tuple(n for n in [k_note(body, st.limits)] if n), tools=tools) for _ in reqs]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(st.scheduler, req, queue, shape, usage), media_type="text/event-stream")
-    return await _collect(request, st.scheduler, req, queue, shape)
+        return StreamingResponse(_stream(st.scheduler, reqs[0], queue, shapes[0], usage), media_type="text/event-stream")
+    if len(reqs) == 1:
+        return await _collect(request, st.scheduler, reqs[0], queue, shapes[0])
+    replies = await asyncio.gather(*[_collect(request, st.scheduler, r, q, s) for r, q, s in zip(reqs, queues, shapes)])
+    return _merged(replies)
+
+
+def _merged(replies: list[Response]) -> Response:
+    """n whole answers as one: choice i is the i-th request's, usage counts the prompt once."""
+    failed = next((r for r in replies if r.status_code != 200), None)
+    if failed is not None:
+        return failed
+    bodies = [json.loads(r.body) for r in replies]
+    out = bodies[0]
+    out["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    out["usage"].update(completion_tokens=completion, total_tokens=out["usage"]["prompt_tokens"] + completion)
+    return JSONResponse(out)
 
 
 async def _echo(st, body, prompt, loop) -> Echo | None:
