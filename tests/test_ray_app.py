@@ -24,7 +24,7 @@ def test_every_serve_option_with_serve_default():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     serve, ray = _options(sub.choices["serve"]), _options(ray_app.build_parser())
     assert {dest: ray.get(dest) for dest in serve} == serve  # an option added to serve alone fails here
-    assert set(ray) - set(serve) == {"replicas", "threads"}
+    assert set(ray) - set(serve) == {"replicas", "threads", "routing"}
     assert ray_app.build_parser().parse_args([]).dtype == "auto"
 
 

@@ -57,3 +57,18 @@ def test_two_replicas_serve_one_endpoint(endpoint, plain):
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == plain
     status = serve.status().applications["default"].deployments["forerun"]
     assert status.replica_states.get("RUNNING") == 2
+
+
+def test_prefix_routing_keeps_a_sessions_turns_on_the_replica_that_holds_them(endpoint):
+    """--routing prefix (the default): every later turn of a session reads its cached prefix,
+    whichever of the two replicas holds it (random routing would miss half the time)."""
+    client = openai.OpenAI(base_url=endpoint + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for s in range(4):
+        messages = [{"role": "system", "content": f"Session {s}. " + "You answer briefly and exactly. " * 6},
+                    {"role": "user", "content": "Count from one to five."}]
+        first = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And back down."}]
+        second = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.prompt_tokens - 16, (s, cached, first.usage.prompt_tokens)

@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 
+from forerun.serve.replica import build_replica_app  # noqa: F401  (each replica's app; ray_routing's Replica too)
+
 PROG = "python -m forerun.serve.ray_app"
 # uvicorn's levels (serve's --log-level) as Python's logging names them, for the replicas' logs.
 LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG", "trace": "DEBUG"}
@@ -35,35 +37,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.add_argument("--replicas", type=int, default=2, help="forerun servers behind the endpoint, each with its own model")
     p.add_argument("--threads", type=int, default=1, help="torch threads (and Ray CPUs) per replica")
+    p.add_argument("--routing", choices=["prefix", "random"], default="prefix",
+                   help="prefix: a request goes to the replica holding its prefix (prompt_cache_key, else a hash of its "
+                        "start), so a session's turns hit its prefix cache; random: Ray's default (power of two choices)")
     return p
 
 
-def build_replica_app(args: argparse.Namespace):
-    """Runs inside each replica: the model, its scheduler and the FastAPI app, as `forerun serve` builds them."""
-    import torch
-
-    from forerun.cli_args import configs, load_llm
-    from forerun.serve.main import server_from_args
-
-    torch.set_num_threads(args.threads)
-    _, spec = configs(args)
-    llm = load_llm(args, spec, prefix_cache=None)
-    app = server_from_args(args, llm, spec)
-    print(f"forerun replica: {app.state.limits.model_names[0]} ({llm.dtype}), method {app.state.limits.method or 'none'} "
-          f"k={app.state.limits.k_max}, {args.threads} thread(s)", file=sys.stderr, flush=True)
-    return app
-
-
 def application(args: argparse.Namespace):
-    """A Ray Serve application of `args.replicas` forerun servers (pass it to serve.run); `args` from build_parser."""
+    """A Ray Serve application of `args.replicas` forerun servers (pass it to serve.run); `args` from build_parser.
+    --routing prefix puts a front deployment before them that routes by prefix (serve/ray_routing.py)."""
     from ray import serve
+
+    logging = {"log_level": LOG_LEVELS.get(args.log_level.lower(), "WARNING")}
+    if getattr(args, "routing", "prefix") == "prefix":
+        from ray.serve.config import RequestRouterConfig
+
+        from forerun.serve.ray_routing import Front, PrefixRouter, Replica
+
+        replicas = serve.deployment(Replica, name="forerun", num_replicas=args.replicas, logging_config=logging,
+                                    ray_actor_options={"num_cpus": args.threads},
+                                    request_router_config=RequestRouterConfig(request_router_class=PrefixRouter)).bind(args)
+        return serve.deployment(Front, name="front", ray_actor_options={"num_cpus": 0}, logging_config=logging).bind(replicas)
 
     def builder():  # a plain function: Ray calls it in each replica (a partial would be taken for an ASGI app)
         return build_replica_app(args)
 
     cls = serve.ingress(builder)()
     return serve.deployment(cls, name="forerun", num_replicas=args.replicas, ray_actor_options={"num_cpus": args.threads},
-                            logging_config={"log_level": LOG_LEVELS.get(args.log_level.lower(), "WARNING")}).bind()
+                            logging_config=logging).bind()
 
 
 def fetch_models(args: argparse.Namespace) -> None:
