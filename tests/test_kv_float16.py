@@ -273,3 +273,40 @@ def test_doctests():
     from forerun import precision
 
     assert doctest.testmod(precision).failed == 0 and doctest.testmod(precision).attempted >= 5
+
+
+# --- the flags ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "quality"])
+def test_the_commands_take_kv_cache_dtype(command):
+    from forerun.cli import build_parser
+
+    args = build_parser().parse_args([command, "--kv-cache-dtype", "float16"])
+    assert args.kv_cache_dtype == "float16" and build_parser().parse_args([command]).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--kv-cache-dtype", "int8"])
+
+
+def test_load_llm_passes_the_flag_to_llm(monkeypatch):
+    from forerun import cli_args, llm
+
+    seen = {}
+    monkeypatch.setattr(llm, "LLM", lambda **kw: seen.update(kw))
+    cli_args.load_llm(_args("float16"), None)
+    assert seen["kv_cache_dtype"] == "float16"
+
+
+def _args(kv: str):
+    from forerun.cli import build_parser
+
+    return build_parser().parse_args(["generate", "--kv-cache-dtype", kv])
+
+
+def test_quality_measures_float32_itself_on_a_float16_cache():
+    from forerun.bench.commands import _quality_dtypes
+    from forerun.bench.fidelity import label_of
+
+    assert _quality_dtypes("float32,gguf", kv_cache="float16") == ["float32", "gguf"]
+    assert _quality_dtypes("float32,gguf") == ["gguf"]  # float32 on its own cache is the reference
+    assert [label_of(d, "float16") for d in ("float32", "gguf")] == ["float32 kv=float16", "gguf kv=float16"]
