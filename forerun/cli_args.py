@@ -14,6 +14,9 @@ from forerun.errors import ForerunError, did_you_mean
 MODELS = ("model folder, .gguf file, hub id, or embedded name: smollm2-135m (the default), gemma3-270m, "
           "qwen2.5-coder-1.5b, qwen2.5-coder-0.5b")
 DTYPES = ["auto", "gguf", "float32", "bfloat16", "int8", "int4"]
+KV_CACHE_DTYPES = ["auto", "float32", "float16"]
+KV_CACHE_HELP = ("the KV cache's dtype; auto: the activations' (float32 for gguf, int8, int4, float32); float16 halves "
+                 "KV memory and attention reads, lossy: rounds K/V to float16 (still batch-invariant; float32 activations only)")
 # Names other tools use for a precision, and forerun's nearest one (difflib finds no such match).
 DTYPE_ALIASES = {"fp16": "bfloat16", "half": "bfloat16", "bf16": "bfloat16", "fp32": "float32", "f32": "float32",
                  "q8": "int8", "q4": "int4"}
@@ -78,6 +81,7 @@ def add_common(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help=MODELS)
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="verifier precision; auto: gguf (the file's own quantized blocks) for a quantized GGUF model, else float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     p.add_argument("--method", default="ngram",
                    help="drafter: ngram, draft_model, layer_skip, early_exit, quantized, lookahead, "
                         "medusa, eagle, dflash (trained heads: --draft-model DIR from `forerun train`); none = plain. "
@@ -172,7 +176,8 @@ def load_llm(args, spec, prefix_cache: bool | None = False):
     where a hit is exact) for `serve`, whose draft model then keeps its blocks too."""
     from forerun.llm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, speculative=spec, enable_prefix_caching=prefix_cache)
+    return LLM(model=args.model, dtype=args.dtype, speculative=spec, enable_prefix_caching=prefix_cache,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def in_flags(message: str, parser: argparse.ArgumentParser) -> str:

@@ -56,6 +56,12 @@ class LLM:
     int8, int4, float32 on forerun's kernels), so a hit never changes a token; elsewhere
     (bfloat16, float32 without the kernels, accelerators) a hit may change tokens, so it is
     opt-in (True).
+
+    kv_cache_dtype: the KV cache's dtype. "auto" (the default): the activations' (float32 for
+    gguf, int8, int4 and float32); "float16": half the KV memory and half the attention reads at
+    long contexts, lossy (it rounds every key and value to float16), still batch-invariant
+    (a prefix-cache hit, a chunked prefill and speculative decoding keep plain decoding's bits).
+    Float32 activations only. A draft model follows it (drafters/draft_model.py).
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class LLM:
         progress: bool = True,
         enable_prefix_caching: bool | None = None,
         prefix_cache_gb: float = 1.0,
+        kv_cache_dtype: str = "auto",
     ):
         self.dtype = check_dtype(dtype)
         if isinstance(model, torch.nn.Module):  # an already built forerun decoder
@@ -75,7 +82,10 @@ class LLM:
             self.source, self.name = None, "in-memory"
             self.dtype = "float32" if dtype == "auto" else dtype
             kernels = getattr(getattr(model, "backend", None), "name", "torch") == "cpu-kernels"
-            self.precision = Precision(self.dtype, str(model.device), kernels=kernels, gguf_blocks=False)
+            self.precision = Precision(self.dtype, str(model.device), kernels=kernels, gguf_blocks=False,
+                                       kv_cache=kv_cache_dtype)
+            if kv_cache_dtype != "auto":  # (on the module itself: its caches are made by model.new_cache)
+                model.set_kv_cache(kv_cache_dtype)
         else:
             from forerun.models.loader import load_model, resolve_model_dir, resolve_precision
             from forerun.tokenizer import Tokenizer
@@ -83,7 +93,8 @@ class LLM:
             folder = resolve_model_dir(model, progress=progress)
             self.source, self.name = folder, folder.name
             self.tokenizer = tokenizer or Tokenizer.from_pretrained(folder)
-            self.precision = resolve_precision(dtype, folder, device)  # "auto": gguf for a quantized GGUF, else float32
+            # "auto": gguf for a quantized GGUF, else float32
+            self.precision = resolve_precision(dtype, folder, device, kv_cache=kv_cache_dtype)
             self.dtype = self.precision.name
             self.model = load_model(folder, self.precision)
         self.speculative = speculative
@@ -210,7 +221,8 @@ class LLM:
     def prefix_salt(self) -> bytes:
         """What every prefix-cache key of this model carries: the model, its precision, the KV dtype."""
         c = self.model.config
-        return f"{self.name}|{c.model_type}|{c.num_hidden_layers}x{c.hidden_size}|{self.precision.name}|kv={self.model.dtype}".encode()
+        shape = f"{c.model_type}|{c.num_hidden_layers}x{c.hidden_size}"
+        return f"{self.name}|{shape}|{self.precision.name}|kv={self.model.kv_dtype}".encode()
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block (vLLM's reset_prefix_cache); returns how many."""

@@ -21,7 +21,8 @@ from forerun.kernels.loader import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 BIT_LEVEL_TESTS = ["tests/test_quant.py", "tests/test_int8_identity.py", "tests/test_int4.py",
-                   "tests/test_gguf_native.py", "tests/test_gguf_packed.py", "tests/test_gemma3_invariance.py"]
+                   "tests/test_gguf_native.py", "tests/test_gguf_packed.py", "tests/test_gemma3_invariance.py",
+                   "tests/test_kv_float16.py"]
 LEVELS = [  # (ONEDNN_MAX_CPU_ISA, FORERUN_KERNEL_MARCH, ATEN_CPU_CAPABILITY, CPU flags the level needs)
     ("AVX512_CORE_VNNI", "native", "", {"avx512_vnni"}),
     ("AVX512_CORE", "x86-64-v4", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from forerun.cli_args import configs, int_list, k_arg
+from forerun.cli_args import KV_CACHE_DTYPES, KV_CACHE_HELP, configs, int_list, k_arg
 from forerun.errors import ForerunError
 
 BENCH_SETS = "spec_bench:summarization,spec_bench:qa,humaneval"
@@ -68,6 +68,9 @@ def register(sub, kit) -> None:
     q.add_argument("--text", action="append", default=None, metavar="FILE",
                    help="a UTF-8 text file to score (repeatable: concatenated); default: the Python sources of "
                         "argparse, difflib and textwrap from this interpreter")
+    q.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help=f"for the precisions measured (the float32 reference keeps a float32 cache): {KV_CACHE_HELP}; "
+                        "float16 rows are labelled '<dtype> kv=float16', float32 among them")
     q.add_argument("--ctx", type=int, default=512, help="tokens per chunk (the second half of each is scored)")
     q.add_argument("--chunks", type=int, default=6, help="chunks scored (at most the text's tokens // --ctx)")
     q.add_argument("--llama-cpp-dir", default=None,
@@ -153,7 +156,8 @@ def cmd_bench(args) -> int:
 
     params, _ = configs(_plain(args))
     specs = specs_from(args)
-    verifier = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False)
+    verifier = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False,
+                   kv_cache_dtype=args.kv_cache_dtype)
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
     workloads = workloads_from(verifier, sets, args.limit, args.data_dir, turns=args.turns)
     if args.vs:
@@ -287,7 +291,8 @@ def _side_cells(args, model, dtype: str, sigma: float, specs) -> list[dict]:
     from forerun.llm import LLM
 
     params, _ = configs(_plain(args))
-    verifier = LLM(model=model, dtype=dtype, speculative=None, progress=False, enable_prefix_caching=False)
+    verifier = LLM(model=model, dtype=dtype, speculative=None, progress=False, enable_prefix_caching=False,
+                   kv_cache_dtype=args.kv_cache_dtype)
     if sigma:
         try:
             perturb_(verifier.model, sigma, seed=args.seed)
@@ -315,9 +320,10 @@ def cmd_quality(args) -> int:
     from forerun.bench import fidelity
     from forerun.bench.quality import QualityRow, evaluate, llama_perplexity, make_chunks, markdown_table, scored_span
     from forerun.llm import LLM
-    from forerun.models.loader import load_model, resolve_dtype
+    from forerun.models.loader import load_model, resolve_dtype, resolve_precision
 
-    _quality_dtypes(args.dtype)  # a bad name fails before any model loads
+    kv = args.kv_cache_dtype
+    _quality_dtypes(args.dtype, kv_cache=kv)  # a bad name fails before any model loads
     if args.ctx < 4 or args.chunks < 1:
         raise ForerunError("--ctx must be >= 4 and --chunks >= 1")
     text, sources = _quality_text(args.text)
@@ -334,8 +340,9 @@ def cmd_quality(args) -> int:
     if len(ids) < 2 * args.ctx:  # llama-perplexity's own floor: both score the same chunks
         raise ForerunError(f"the text is {len(ids)} tokens; --ctx {args.ctx} needs at least {2 * args.ctx}")
     chunks = make_chunks(ids, args.ctx, args.chunks, bos)
-    dtypes = _quality_dtypes(args.dtype, lambda d: resolve_dtype(d, ref.source))
-    models = {"float32": ref.model, **{d: partial(load_model, ref.source, d) for d in dtypes}}  # loaded in turn
+    dtypes = _quality_dtypes(args.dtype, lambda d: resolve_dtype(d, ref.source), kv)
+    precisions = {fidelity.label_of(d, kv): resolve_precision(d, ref.source, kv_cache=kv) for d in dtypes}  # (checked now)
+    models = {"float32": ref.model, **{label: partial(load_model, ref.source, p) for label, p in precisions.items()}}  # loaded in turn
     print(f"forerun: {ref.name}: {len(chunks)} chunks of {args.ctx} tokens ({len(scored_span(args.ctx))} scored "
           f"a chunk) from {', '.join(Path(s).name for s in sources)}", file=sys.stderr, flush=True)
     with tqdm(total=len(chunks) * len(models), desc="chunk x precision", file=sys.stderr) as bar:
@@ -355,13 +362,14 @@ def cmd_quality(args) -> int:
     return 0
 
 
-def _quality_dtypes(text: str, resolve=lambda dtype: dtype) -> list[str]:
-    """The precisions besides float32 (always the reference), in order, each once, after
-    resolve() (the loader's resolve_dtype turns "auto" into what it loads: gguf or float32)."""
+def _quality_dtypes(text: str, resolve=lambda dtype: dtype, kv_cache: str = "auto") -> list[str]:
+    """The precisions measured against float32 (always the reference, on a float32 cache), in
+    order, each once, after resolve() (the loader's resolve_dtype turns "auto" into what it
+    loads: gguf or float32); float32 itself only with a float16 cache (another fidelity)."""
     from forerun.config import check_dtype
 
     listed = [resolve(check_dtype(d.strip())) for d in text.split(",") if d.strip()]
-    return [d for i, d in enumerate(listed) if d != "float32" and d not in listed[:i]]
+    return [d for i, d in enumerate(listed) if (d != "float32" or kv_cache == "float16") and d not in listed[:i]]
 
 
 def _quality_text(files: list[str] | None) -> tuple[str, list[str]]:

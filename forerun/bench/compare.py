@@ -35,7 +35,8 @@ def cmd_compare(args) -> int:
     if not spec.enabled:
         raise ForerunError("compare needs a speculative method and --k >= 1")
     prompts = load_prompts(args.prompts, limit=args.limit, data_dir=args.data_dir)
-    llm = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False)
+    llm = LLM(model=args.model, dtype=args.dtype, speculative=None, enable_prefix_caching=False,
+              kv_cache_dtype=args.kv_cache_dtype)
     work = Workload(args.prompts, [(p.id, prompt_ids(llm, p)) for p in prompts])
     report = {"prompts": args.prompts, "dtype": llm.dtype, "max_new_tokens": params.max_tokens,
               "temperature": params.temperature, **run_compare(llm, work, params, spec)}

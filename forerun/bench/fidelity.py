@@ -5,8 +5,11 @@ without how far that precision moves the model from float32 is half a result.
 One record per model weights, in the cache (FORERUN_CACHE_DIR/quality/<key>.json):
 
     {"model": name, "weights": {"files": [[path, size, mtime_ns], ...]},
-     "rows": {dtype or "llama.cpp": {"ppl", "ppl_vs_float32", "kl", "top1", "tokens",
+     "rows": {label or "llama.cpp": {"ppl", "ppl_vs_float32", "kl", "top1", "tokens",
                                      "text", "ctx", "chunks", "measured", "kernels"}}}
+
+A row's label is its dtype, or with a float16 KV cache "<dtype> kv=float16" (label_of): a
+16-bit cache moves the logits too, so it is a fidelity of its own.
 
 The key is the weights' identity, not the folder's: a converted GGUF folder is keyed by its GGUF
 file (the float32 copy written into that folder on first use changes nothing), an HF folder by
@@ -29,6 +32,15 @@ from forerun.kernels import build_key
 RECORD_DIR = "quality"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 KERNEL_DTYPES = ("gguf", "int8", "int4")  # computed by forerun's kernels (float32 and bfloat16: by torch)
+
+
+def label_of(dtype: str, kv_cache: str = "auto") -> str:
+    """A quality row's label: the dtype, and a float16 KV cache where it has one.
+
+    >>> label_of("gguf"), label_of("gguf", "float32"), label_of("gguf", "float16")
+    ('gguf', 'gguf', 'gguf kv=float16')
+    """
+    return f"{dtype} kv=float16" if kv_cache == "float16" else dtype
 
 
 def weights_of(source: Path) -> list[Path]:
@@ -98,9 +110,9 @@ def save(source: Path, name: str, rows, text: str, ctx: int, chunks: int) -> Pat
     return path
 
 
-def describe(rows: dict, dtype: str, model_arg: str | None, kernels: str | None = None) -> str:
-    """One line for a speed figure of `dtype`: its measured fidelity, or how to measure it
-    (again, when the row was computed by kernel sources other than `kernels`).
+def describe(rows: dict, dtype: str, model_arg: str | None, kernels: str | None = None, kv_cache: str = "auto") -> str:
+    """One line for a speed figure of `dtype` (with its KV cache's dtype): its measured fidelity,
+    or how to measure it (again, when the row was computed by kernel sources other than `kernels`).
 
     >>> describe({"int4": {"ppl_vs_float32": 1.0, "kl": 0.0084, "top1": 0.971, "tokens": 1530,
     ...           "text": "argparse, difflib, textwrap", "measured": "2026-12-04"}}, "int4", "m")
@@ -111,20 +123,24 @@ def describe(rows: dict, dtype: str, model_arg: str | None, kernels: str | None 
     'fidelity of gguf: not measured for this model yet: `forerun quality --model m --dtype gguf` (perplexity, KL and top-1 agreement against float32)'
     >>> describe({"gguf": {"kernels": "a", "measured": "2026-12-01"}}, "gguf", "m", kernels="b")
     'fidelity of gguf: measured 2026-12-01 by other kernels than these; measure it again: `forerun quality --model m --dtype gguf`'
+    >>> describe({}, "float32", "m", kv_cache="float16")
+    'fidelity of float32 kv=float16: not measured for this model yet: `forerun quality --model m --dtype float32 --kv-cache-dtype float16` (perplexity, KL and top-1 agreement against float32)'
     """
-    if dtype == "float32":
+    label = label_of(dtype, kv_cache)
+    if label == "float32":
         return ("fidelity of float32: the reference (the weights as stored, dequantized exactly; `forerun quality` "
                 "measures the other precisions against it)")
-    r, measure = rows.get(dtype), f"`forerun quality --model {shlex.quote(str(model_arg))} --dtype {dtype}`"
+    kv_flag = " --kv-cache-dtype float16" if label != dtype else ""
+    r, measure = rows.get(label), f"`forerun quality --model {shlex.quote(str(model_arg))} --dtype {dtype}{kv_flag}`"
     if r is None:
-        return (f"fidelity of {dtype}: not measured for this model yet: {measure} (perplexity, KL and top-1 "
+        return (f"fidelity of {label}: not measured for this model yet: {measure} (perplexity, KL and top-1 "
                 "agreement against float32)")
-    if kernels is not None and dtype in KERNEL_DTYPES and r.get("kernels") != kernels:
-        return f"fidelity of {dtype}: measured {r.get('measured')} by other kernels than these; measure it again: {measure}"
-    return (f"fidelity of {dtype}: perplexity {r['ppl_vs_float32']:+.2f}% vs float32, mean KL {r['kl']:.4f}, top-1 "
+    if kernels is not None and (dtype in KERNEL_DTYPES or label != dtype) and r.get("kernels") != kernels:
+        return f"fidelity of {label}: measured {r.get('measured')} by other kernels than these; measure it again: {measure}"
+    return (f"fidelity of {label}: perplexity {r['ppl_vs_float32']:+.2f}% vs float32, mean KL {r['kl']:.4f}, top-1 "
             f"agreement {r['top1']:.1%} (forerun quality, {r['tokens']} tokens of {r['text']}, {r['measured']})")
 
 
 def line_for(llm, model_arg: str | None) -> str:
-    """describe() for an LLM as loaded (its resolved precision, its weights' record)."""
-    return describe(load(llm.source), llm.dtype, model_arg or "smollm2-135m", kernels_digest())
+    """describe() for an LLM as loaded (its resolved precision and KV cache, its weights' record)."""
+    return describe(load(llm.source), llm.dtype, model_arg or "smollm2-135m", kernels_digest(), llm.precision.kv_cache)

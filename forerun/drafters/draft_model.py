@@ -27,6 +27,7 @@ from forerun.drafters.draft_vocab import for_rows, forget_row, reduced_head, res
 from forerun.drafters.ngram import find_continuation
 from forerun.errors import ConfigError
 from forerun.kv.cache import KVCache, chain_batch
+from forerun.precision import follow_kv_cache
 from forerun.prefill import feed_all_but_last
 from forerun.sampling import draw, sample_many
 
@@ -315,9 +316,11 @@ def _make(spec, verifier, **_) -> DraftModelDrafter:
         draft = src
     else:  # loaded as the verifier was (its class: forerun.llm.LLM), so drafters never import the LLM
         dtype = spec.draft_dtype or named_draft_dtype(verifier)
-        # (its prefix cache on where the verifier's is: off for the tools that time repeated runs)
+        # (its prefix cache on where the verifier's is: off for the tools that time repeated runs;
+        # its KV cache in the verifier's kv_cache_dtype where its activations are float32 too)
         draft = type(verifier)(model=src, dtype=dtype, speculative=None, device=verifier.model.device,
-                               enable_prefix_caching=None if getattr(verifier, "prefix_cache", None) is not None else False)
+                               enable_prefix_caching=None if getattr(verifier, "prefix_cache", None) is not None else False,
+                               kv_cache_dtype=follow_kv_cache(verifier.precision.kv_cache, dtype))
         spec = with_named_defaults(spec, draft.model.config.vocab_size)
     if draft.model.device != verifier.model.device:
         raise ConfigError(f"draft model is on {draft.model.device}, the verifier on {verifier.model.device}")

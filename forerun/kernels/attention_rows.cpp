@@ -8,6 +8,10 @@
 // attend_prefix: the attention alone. rope_write_attend: a whole attention layer between
 // its q/k/v linear and its output linear (RoPE, the KV cache write, attention) in one call,
 // which on a 24-28 layer model saves ~1-2 ms of small torch ops per forward.
+//
+// The cache is float32 or float16 (kv_cache_dtype="float16": half the bytes, lossy). A
+// float16 cache is read through the same float32 code (CacheView below), so the arithmetic,
+// the key order and the ISA paths are the float32 cache's: no float16 variant to test apart.
 #include "kernels.h"
 
 #include <torch/extension.h>
@@ -23,6 +27,58 @@
 #include <immintrin.h>
 #define FORERUN_VNNI 1  // the same switch as int8_rows.cpp: one ISA level for every kernel
 #endif
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+// --- a float16 cache ---------------------------------------------------------------------
+// Read: a (cache row, KV head)'s first n rows widened into per-thread float32 scratch before
+// its queries attend. Exact (every float16 is a float32), so whichever conversion runs (F16C
+// eight at a time, or c10's scalar one) the attention sees the same values.
+// Write: each K / V element rounded to the nearest float16, ties to even (IEEE 754's default
+// and what torch's float -> half copy does), so the rows rope_write_attend writes here and the
+// rows the cache's own torch writes store (kv/cache.py, kv/paged.py) are the same bits.
+static void widen_half(const at::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i].x);
+}
+
+static void narrow_half(const float* src, int64_t n, at::Half* dst) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) dst[i].x = c10::detail::fp16_ieee_from_fp32_value(src[i]);
+}
+
+// A layer's K or V cache [rows, Hkv, cap, D], float32 or float16, as the attention reads and
+// writes it. Offsets count elements.
+struct CacheView {
+  void* data;
+  bool half;
+
+  explicit CacheView(const torch::Tensor& t) : data(t.data_ptr()), half(t.scalar_type() == torch::kHalf) {}
+
+  // Rows [0, n) of D elements from `at` as float32: a float32 cache's own memory, a float16
+  // cache's widened into `scratch` (grown to n D floats at most: bounded by the capacity).
+  const float* rows(int64_t at, int64_t n, int64_t D, std::vector<float>& scratch) const {
+    if (!half) return static_cast<const float*>(data) + at;
+    if (static_cast<int64_t>(scratch.size()) < n * D) scratch.resize(n * D);
+    widen_half(static_cast<const at::Half*>(data) + at, n * D, scratch.data());
+    return scratch.data();
+  }
+
+  // One row src [D] stored at `at` (rounded to float16 for a float16 cache).
+  void store(int64_t at, const float* src, int64_t D) const {
+    if (half) narrow_half(src, D, static_cast<at::Half*>(data) + at);
+    else std::memcpy(static_cast<float*>(data) + at, src, D * sizeof(float));
+  }
+};
 
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer
 // power (exponent bits) and a degree-6 polynomial on [0, 1); ~2 ulp, branch-free so the
@@ -438,6 +494,7 @@ struct Group {
 // queries over a 2048-key cache: 22 MB of memset a forward).
 struct Scratch {
   std::vector<float> p, acc, sums;
+  std::vector<float> k, v;  // a float16 cache's rows, widened (CacheView::rows)
   static float* at_least(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
@@ -463,7 +520,9 @@ static void attend_group(const Group& grp, const float* kb, const float* vb, int
 
 static void check_cache(const torch::Tensor& k, const torch::Tensor& v) {
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-              k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "k, v: float32 [rows, Hkv, cap, D]");
+              k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf),
+              "k, v: float32 or float16 [rows, Hkv, cap, D], both of one dtype");
 }
 
 // rows [B] as contiguous int64, each checked to be a row of the cache k [rows, Hkv, cap, D].
@@ -477,11 +536,12 @@ static torch::Tensor cache_rows(const torch::Tensor& rows, int64_t B, const torc
 
 // body(b, h0, h1, kb, vb, scratch) for every batch entry b and run of query heads
 // [h0, h1) sharing one KV head, in parallel; kb / vb point at the K / V of b's cache row
-// (rp[b]) for that KV head. A KV head's query heads form one run, or several when there
-// are fewer (b, KV head) pairs than threads.
+// (rp[b]) for that KV head, as float32 rows [0, need[b]) at least (the slots b's queries
+// read). A KV head's query heads form one run, or several when there are fewer (b, KV head)
+// pairs than threads.
 template <class Body>
 static void for_each_group(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64_t D, const int64_t* rp,
-                           const float* kp, const float* vp, Body body) {
+                           const CacheView& k, const CacheView& v, const int64_t* need, Body body) {
   const int64_t group = H / Hkv, pairs = B * Hkv;
   const int64_t parts = std::min<int64_t>(group, (at::get_num_threads() + pairs - 1) / pairs);
   const int64_t per = (group + parts - 1) / parts;
@@ -490,14 +550,16 @@ static void for_each_group(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (Hkv * parts), kvh = u / parts % Hkv, h0 = kvh * group + u % parts * per;
       const int64_t h1 = std::min(h0 + per, (kvh + 1) * group);
-      if (h0 < h1) body(b, h0, h1, kp + (rp[b] * Hkv + kvh) * cap * D, vp + (rp[b] * Hkv + kvh) * cap * D, s);
+      if (h0 >= h1) continue;
+      const int64_t at = (rp[b] * Hkv + kvh) * cap * D;
+      body(b, h0, h1, k.rows(at, need[b], D, s.k), v.rows(at, need[b], D, s.v), s);
     }
   });
 }
 
 // Attention where query t of batch entry b sees keys [0, limits[b, t]) of its cache row (a
-// chain: every query sees a prefix). q [B, H, T, D]; k/v: the layer's whole cache
-// [rows, Hkv, capacity, D]; rows [B]; limits [B, T] -> [B, H, T, D].
+// chain: every query sees a prefix). q [B, H, T, D]; k/v: the layer's whole cache, float32
+// or float16 [rows, Hkv, capacity, D]; rows [B]; limits [B, T] -> [B, H, T, D].
 torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
                             torch::Tensor limits, double scale_d) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
@@ -516,7 +578,9 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "a query must see between 1 and capacity keys");
-  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
+  std::vector<int64_t> need(B, 0);  // the keys b's queries see: [0, max limit)
+  for (int64_t i = 0; i < B * T; ++i) need[i / T] = std::max(need[i / T], lp[i]);
+  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), CacheView(k), CacheView(v), need.data(),
                  [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
                    Group grp;
                    for (int64_t h = h0; h < h1; ++h)
@@ -562,21 +626,26 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
   auto q = torch::empty({B, H, T, D}, qkv.options());
   auto out = torch::empty({B, T, H * D}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *op = out.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *op = out.data_ptr<float>();
+  const CacheView kc(k), vc(v);
   at::parallel_for(0, B * T, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> kr(D);  // a rotated key row before its store
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / T, t = i % T;
       const float *x = xp + i * W, *c = cp + i * D, *s = snp + i * D;
       for (int64_t h = 0; h < H; ++h) rotate_half(x + h * D, c, s, D, qp + ((b * H + h) * T + t) * D);
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t at = ((rp[b] * Hkv + h) * cap + sp[i]) * D;
-        rotate_half(x + (H + h) * D, c, s, D, kp + at);
-        std::memcpy(vp + at, x + (H + Hkv + h) * D, D * sizeof(float));
+        rotate_half(x + (H + h) * D, c, s, D, kr.data());
+        kc.store(at, kr.data(), D);
+        vc.store(at, x + (H + Hkv + h) * D, D);
       }
     }
   });
   const float scale = static_cast<float>(scale_d);
-  for_each_group(B, H, Hkv, cap, D, rp, kp, vp,
+  std::vector<int64_t> need(B, 0);  // the keys b's queries see: [0, last slot + 1)
+  for (int64_t i = 0; i < B * T; ++i) need[i / T] = std::max(need[i / T], sp[i] + 1);
+  for_each_group(B, H, Hkv, cap, D, rp, kc, vc, need.data(),
                  [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
                    Group grp;
                    for (int64_t h = h0; h < h1; ++h)
@@ -608,16 +677,18 @@ torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
   const int64_t S = mask.size(2);
   const bool* mp = mask.data_ptr<bool>();
   std::vector<std::vector<int32_t>> seen(B * T);  // visible slots per query, in slot order
+  std::vector<int64_t> need(B, 0);  // the slots b's queries see lie in [0, last + 1)
   for (int64_t i = 0; i < B * T; ++i) {
     for (int64_t j = 0; j < S; ++j)
       if (mp[i * S + j]) seen[i].push_back(static_cast<int32_t>(j));
     TORCH_CHECK(!seen[i].empty(), "a query must see at least one key");
+    need[i / T] = std::max<int64_t>(need[i / T], seen[i].back() + 1);
   }
   const float scale = static_cast<float>(scale_d);
   auto out = torch::empty({B, H, T, D}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), k.data_ptr<float>(), v.data_ptr<float>(),
+  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), CacheView(k), CacheView(v), need.data(),
                  [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
                    Group grp;
                    for (int64_t h = h0; h < h1; ++h)

@@ -19,8 +19,10 @@ on its modules from outside.
 A CUDA backend would be a third class with the same methods. Each method that may decline
 returns None where its fast path does not take the forward (the caller then runs the plain
 ops); `attend`, `silu_mul` and `final_norm` always answer. The kernels read float32
-activations and a float32 cache: both dtypes are checked (`takes`), so a 16-bit KV cache
-falls back to torch instead of handing the kernels the wrong bytes.
+activations and a float32 or float16 cache (LLM's kv_cache_dtype="float16": they widen the
+rows they read to float32 and round what they write to float16, the bits torch's writes
+store); both dtypes are checked (`takes`), so a bfloat16 cache falls back to torch instead of
+handing the kernels the wrong bytes.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from forerun.kv.cache import ForwardBatch, KVCache
+from forerun.kv.cache import ForwardBatch, KVCache, widened
 
 WIDE_ROWS = 64  # forwards of fewer tokens take the one-call layer (the linears' few-token kernels)
 
@@ -121,8 +123,8 @@ class CpuKernels(TorchBackend):
 
     @staticmethod
     def takes(x: torch.Tensor, cache) -> bool:
-        """The kernels read float32 activations and a float32 K/V cache."""
-        return x.dtype == torch.float32 and cache.dtype == torch.float32
+        """The kernels read float32 activations and a float32 or float16 K/V cache."""
+        return x.dtype == torch.float32 and cache.dtype in (torch.float32, torch.float16)
 
     def chain(self, x, batch: ForwardBatch, cache) -> bool:
         """A chain over forerun's own row cache (a paged cache gathers its blocks, so it keeps
@@ -233,7 +235,7 @@ def _row_sdpa(attn, q, k_all, v_all, batch: ForwardBatch, b: int):
     """q [1, nh, T, hd] of batch entry b -> [1, nh, n, hd] for its n real queries, which
     see slots [0, start + i]: causal from slot 0, else an explicit prefix mask."""
     row, start, n = batch.rows[b], batch.starts[b], batch.lengths[b]
-    keys, values = k_all[row : row + 1, :, : start + n], v_all[row : row + 1, :, : start + n]
+    keys, values = widened(k_all[row : row + 1, :, : start + n]), widened(v_all[row : row + 1, :, : start + n])
     mask = None
     if start:
         slots = torch.arange(start + n, device=q.device)

@@ -8,6 +8,11 @@ equal to its position in the sequence, so:
     causal rule `key_slot <= query_slot` and a token tree is an ancestor mask over the
     drafted slots, after which `move()` compacts the accepted path to consecutive slots.
 A paged cache keeps this interface: slots become (block, offset) through a block table.
+
+Keys and values are stored in the cache's dtype: the model's, or float16 over float32
+activations (LLM's kv_cache_dtype="float16": half the bytes, each element rounded to nearest
+float16 as it is written). Attention computes in float32 either way: the kernels widen the
+rows they read, and `read` hands torch's attention widened copies (`widened`).
 """
 from __future__ import annotations
 
@@ -48,6 +53,12 @@ class ForwardBatch:
             return self.given_mask
         keys = torch.arange(self.kv_len, device=self.slots.device)
         return (keys[None, None, :] <= self.slots[:, :, None])[:, None]
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """A float16 cache's keys or values as the float32 attention computes with (exact: every
+    float16 is a float32); any other dtype as it is (no copy)."""
+    return t.float() if t.dtype == torch.float16 else t
 
 
 def chain_batch(
@@ -126,9 +137,9 @@ class KVCache:
             raise IndexError(f"forward reaches slot {batch.kv_len - 1}, KV capacity is {self.capacity}")
 
     def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots [0, S) for the batch's rows: [B, H_kv, S, D] each."""
+        """Keys and values of slots [0, S) for the batch's rows: [B, H_kv, S, D] each, widened."""
         idx = self._rows_index(batch)
-        return self.k[layer][idx, :, : batch.kv_len], self.v[layer][idx, :, : batch.kv_len]
+        return widened(self.k[layer][idx, :, : batch.kv_len]), widened(self.v[layer][idx, :, : batch.kv_len])
 
     def truncate(self, row: int, length: int):
         """Keep slots [0, length); later writes overwrite the rest. O(1), no copy."""

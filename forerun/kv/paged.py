@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.kv.cache import ForwardBatch, KVCache
+from forerun.kv.cache import ForwardBatch, KVCache, widened
 
 
 class _LayerViews:
@@ -39,8 +39,9 @@ class PagedKVCache:
     def __init__(self, model, rows: int, capacity: int, num_blocks: int, block_size: int):
         c = model.config
         shape = (num_blocks + 1, c.num_key_value_heads, block_size, c.head_dim)  # + the scratch block
-        self.k_pool = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
-        self.v_pool = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        dtype = model.kv_dtype  # the model's, or float16 (kv_cache_dtype)
+        self.k_pool = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        self.v_pool = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(c.num_hidden_layers)]
         self.block_size, self.capacity, self.scratch = block_size, capacity, num_blocks
         self.width = -(-capacity // block_size)  # table entries per row
         self.tables = torch.full((rows, self.width), num_blocks, dtype=torch.long, device=model.device)  # [rows, width]
@@ -49,7 +50,7 @@ class PagedKVCache:
         # Gather buffers, reused by every layer (a fresh 2-8 MB tensor per layer costs page faults):
         # 2 x (keys, values) of one layer at full size, i.e. 4 / num_layers of a row cache.
         H, D = c.num_key_value_heads, c.head_dim
-        new = lambda *shape: torch.empty(shape, dtype=model.dtype, device=model.device)  # noqa: E731
+        new = lambda *shape: torch.empty(shape, dtype=dtype, device=model.device)  # noqa: E731
         self._flat = [new(rows * self.width, H, block_size, D) for _ in range(2)]
         self._rows = [new(rows, H, self.width * block_size, D) for _ in range(2)]
         self._batch: ForwardBatch | None = None
@@ -81,8 +82,10 @@ class PagedKVCache:
     def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor):
         """k, v: [B, H_kv, T, D] for the batch's (rows, slots)."""
         block, offset = self._locate(batch)
-        self.k_pool[layer][block, :, offset] = k.transpose(1, 2)  # value [B, T, H, D]
-        self.v_pool[layer][block, :, offset] = v.transpose(1, 2)
+        # value [B, T, H, D], in the pool's dtype (index_put does not convert: a float16 pool
+        # takes each element rounded to nearest, as KVCache.write and the kernels store it)
+        self.k_pool[layer][block, :, offset] = k.transpose(1, 2).to(self.dtype)
+        self.v_pool[layer][block, :, offset] = v.transpose(1, 2).to(self.dtype)
 
     def check_fits(self, batch: ForwardBatch):
         if batch.kv_len > self.capacity:
@@ -106,10 +109,10 @@ class PagedKVCache:
         return out
 
     def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots [0, S) for the batch's rows: [B, H_kv, S, D] each."""
+        """Keys and values of slots [0, S) for the batch's rows: [B, H_kv, S, D] each, widened."""
         S = batch.kv_len
         idx = KVCache._rows_index(batch)
-        return self._gather(0, layer, batch)[idx, :, :S], self._gather(1, layer, batch)[idx, :, :S]
+        return widened(self._gather(0, layer, batch)[idx, :, :S]), widened(self._gather(1, layer, batch)[idx, :, :S])
 
     def _materialise(self, which: int, layer: int) -> torch.Tensor:
         if self._batch is None:

@@ -2,8 +2,8 @@
 
 Two caches keep it: `KVCache` (kv/cache.py: a preallocated [rows, H_kv, capacity, D] pair per
 layer, for `LLM`) and `PagedKVCache` (kv/paged.py: fixed-size blocks from one pool, each row
-reading through its block table, for the server). A model takes either; so would a 16-bit or
-a prefix-sharing cache. Position-indexed: slot s of a row holds the token at position s, so a
+reading through its block table, for the server). A model takes either, in the model's dtype
+or float16 (kv_cache_dtype: `read` widens to float32, the kernels read float16 themselves). Position-indexed: slot s of a row holds the token at position s, so a
 rejected draft needs no rollback (`truncate` moves the length, later writes overwrite).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ class KVStore(Protocol):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The keys' and values' dtype (the kernels read float32 only)."""
+        """The keys' and values' dtype as stored (the kernels read float32 and float16)."""
 
     def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, H_kv, T, D] for the batch's (rows, slots)."""
@@ -36,7 +36,8 @@ class KVStore(Protocol):
         """Raises IndexError where the forward would write past the capacity (once per forward)."""
 
     def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots [0, kv_len) for the batch's rows: [B, H_kv, S, D] each."""
+        """Keys and values of slots [0, kv_len) for the batch's rows: [B, H_kv, S, D] each, a float16
+        cache's widened to float32 (what torch's attention computes with)."""
 
     def truncate(self, row: int, length: int) -> None:
         """Keep slots [0, length) of `row`."""

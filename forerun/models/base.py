@@ -8,6 +8,7 @@ from torch import nn
 
 from forerun.kernels.backend import TorchBackend
 from forerun.kv.cache import ForwardBatch, KVCache, chain_batch
+from forerun.precision import kv_dtype_for
 
 
 @dataclass
@@ -19,15 +20,29 @@ class ModelOutput:
 class DecoderBase(nn.Module):
     """Subclasses define `config`, `model.norm`, `model.embed_tokens`, `lm_head` and forward().
     `backend` (kernels/backend.py) computes attention and the fused ops: plain torch until the
-    loader finishes the model with forerun's kernels (set_backend)."""
+    loader finishes the model with forerun's kernels (set_backend). Every cache of the model
+    (the engine's, the server's, a draft model's, `score`'s) comes from `new_cache`, in
+    `kv_dtype`: the model's own dtype unless the loader's Precision names another (set_kv_cache)."""
 
     backend = TorchBackend()  # (a class default: every model starts on plain torch)
+    _kv_dtype: torch.dtype | None = None  # None: the model's dtype
 
     def set_backend(self, backend: TorchBackend) -> None:
         """Compute with `backend` from here on, bound to the linears as they are now (a backend
         that holds per-model state, the kernels' layer stack, binds it here)."""
         bind = getattr(backend, "bind", None)
         self.backend = bind(self) if bind is not None else backend
+
+    def set_kv_cache(self, kv_cache: str) -> None:
+        """Keys and values in the dtype `kv_cache` names ("auto": the model's; "float32";
+        "float16": lossy, half the bytes, float32 models only) in every cache made from here on."""
+        dtype = kv_dtype_for(kv_cache, self.dtype)  # (checked against this model's activations)
+        self._kv_dtype = None if kv_cache == "auto" else dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the keys and values in this model's caches."""
+        return self._kv_dtype or self.dtype
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,7 +67,7 @@ class DecoderBase(nn.Module):
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, capacity, c.head_dim, self.kv_dtype, self.device)
 
     def head(self, hidden: torch.Tensor, logits_at) -> torch.Tensor | None:
         """Logits at "all" positions, none (None), or an index tensor [B, T'] per row.

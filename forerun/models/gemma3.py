@@ -20,7 +20,7 @@ from torch import nn
 
 from forerun.errors import ModelLoadError
 from forerun.kernels.backend import WIDE_ROWS, TorchBackend
-from forerun.kv.cache import ForwardBatch
+from forerun.kv.cache import ForwardBatch, widened
 from forerun.kv.protocol import KVStore
 from forerun.models.base import DecoderBase, ModelOutput
 from forerun.models.config import ModelConfig
@@ -99,7 +99,7 @@ class Attention(nn.Module):
             row, n = batch.rows[b], lengths[b]
             S = int(batch.slots[b, n - 1]) + 1  # a chain's last query sees slots [0, S)
             out[b : b + 1, :, :n] = F.scaled_dot_product_attention(
-                q[b : b + 1, :, :n], k_all[row : row + 1, :, :S], v_all[row : row + 1, :, :S],
+                q[b : b + 1, :, :n], widened(k_all[row : row + 1, :, :S]), widened(v_all[row : row + 1, :, :S]),
                 attn_mask=mask[b : b + 1, :, :n, :S], scale=self.scale, enable_gqa=self.nkv != self.nh)
         short = [b for b, n in enumerate(lengths) if n < WIDE_ROWS]
         if short:

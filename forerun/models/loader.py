@@ -85,10 +85,11 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def resolve_precision(dtype: str | Precision, folder: Path | None, device="cpu") -> Precision:
+def resolve_precision(dtype: str | Precision, folder: Path | None, device="cpu", kv_cache: str = "auto") -> Precision:
     """The precision `dtype` names for `folder` on `device`, resolved once: "auto" -> "gguf" for a
     folder converted from a GGUF file whose linears are quantized in a type the native kernels
-    read, on the CPU with the kernels built; else "float32". Other dtypes are kept as they are."""
+    read, on the CPU with the kernels built; else "float32". Other dtypes are kept as they are.
+    kv_cache: the KV cache's dtype (Precision.kv_cache; a Precision given keeps its own)."""
     if isinstance(dtype, Precision):
         return dtype
     check_dtype(dtype)
@@ -104,7 +105,7 @@ def resolve_precision(dtype: str | Precision, folder: Path | None, device="cpu")
 
         blocks = quantized_source(folder)
     name = dtype if dtype != "auto" else ("gguf" if blocks else "float32")
-    return Precision(name, str(device), kernels=kernel is not None, gguf_blocks=blocks)
+    return Precision(name, str(device), kernels=kernel is not None, gguf_blocks=blocks, kv_cache=kv_cache)
 
 
 def resolve_dtype(dtype: str, folder: Path | None, device="cpu") -> str:
@@ -190,8 +191,10 @@ def _on_meta(folder: Path) -> torch.nn.Module:
 
 
 def finish_model(model: torch.nn.Module, dtype: str | Precision, device) -> torch.nn.Module:
-    """Place, quantise, choose the backend; the common tail of every way of building a model
-    (each ties its own head)."""
+    """Place, quantise, choose the backend, set the KV cache's dtype (a Precision's; a dtype
+    string: the model's own); the common tail of every way of building a model (each ties its
+    own head)."""
+    kv_cache = dtype.kv_cache if isinstance(dtype, Precision) else "auto"
     dtype = str(dtype)
     cfg = model.config
     # Built on the meta device, the RoPE buffers hold no data yet: compute them here.
@@ -221,4 +224,5 @@ def finish_model(model: torch.nn.Module, dtype: str | Precision, device) -> torc
         kernel = kernel_loader.load()
         if kernel is not None:  # else torch's sgemm: same function, not batch-invariant
             use_f32_kernels_(model, kernel)
+    model.set_kv_cache(kv_cache)
     return model.eval().requires_grad_(False)
