@@ -9,9 +9,9 @@ rendezvous hashing: every router instance agrees without shared state, and a rep
 joins or leaves moves only its own share of the keys. A replica at its `max_ongoing_requests`
 passes the request to the next in the key's ranking.
 
-The key: OpenAI's `prompt_cache_key` when the request sends one, else a hash of the start of
-its prompt (the first PREFIX_CHARS characters of `messages`, `prompt` or `input` as JSON: the
-system prompt and the first turn, which every later turn of a session resends).
+The key: OpenAI's `prompt_cache_key` when the request sends one, else a hash of what every later
+turn of a session resends unchanged: a chat's first two messages (the system prompt and the first
+turn), or the first PREFIX_CHARS characters of a completion's prompt; at most PREFIX_CHARS either way.
 """
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def routing_key(body: bytes) -> str:
     """The request's key (see the module docstring); "" for a body that is not a JSON object.
     >>> routing_key(b'{"prompt_cache_key": "s1", "messages": []}') == routing_key(b'{"prompt_cache_key": "s1"}')
     True
+    >>> turn1 = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    >>> turn2 = turn1 + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    >>> routing_key(json.dumps({"messages": turn1}).encode()) == routing_key(json.dumps({"messages": turn2}).encode())
+    True
     """
     try:
         obj = json.loads(body)
@@ -37,7 +41,9 @@ def routing_key(body: bytes) -> str:
         return ""
     if isinstance(obj.get("prompt_cache_key"), str):
         return "key:" + obj["prompt_cache_key"]
-    start = next((obj[f] for f in ("messages", "prompt", "input") if f in obj), "")
+    start = next((obj[f] for f in ("messages", "input", "prompt") if f in obj), "")
+    if isinstance(start, list) and start and isinstance(start[0], dict):  # chat messages / input items
+        start = start[:2]
     text = json.dumps(start, ensure_ascii=False, separators=(",", ":"))[:PREFIX_CHARS]
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -77,7 +83,7 @@ class Front:
             async for chunk in answer:
                 yield chunk
 
-        return StreamingResponse(rest(), status_code=head["status"], headers=head["headers"])
+        return StreamingResponse(rest(), status_code=head["status"], headers=dict(head["headers"]))
 
 
 class Replica:
