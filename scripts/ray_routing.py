@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import statistics
 import sys
@@ -19,11 +20,23 @@ from forerun.bench.launch import Launched, free_port
 from forerun.bench.sessions import build_sessions, play
 
 
+def distinct_sessions(n: int, turns: int, file_chars: int) -> list:
+    """n sessions: the standard library's few that qualify, repeated with a session number at the
+    start of their system prompt (each one its own prefix, as different users' sessions are)."""
+    base = build_sessions(2, turns, file_chars=file_chars)
+    out = []
+    for i in range(n):
+        s = base[i % len(base)]
+        opening = [{**s.opening[0], "content": f"Session {i}. " + s.opening[0]["content"]}, *s.opening[1:]]
+        out.append(dataclasses.replace(s, opening=opening))
+    return out
+
+
 def run(routing: str, args, extra: list[str], out: Path) -> dict:
     port = free_port()
     argv = [sys.executable, "-m", "forerun.serve.ray_app", "--replicas", str(args.replicas), "--threads", "1",
             "--routing", routing, "--port", str(port), *extra]
-    sessions = build_sessions(args.sessions, args.turns, file_chars=args.file_chars)
+    sessions = distinct_sessions(args.sessions, args.turns, args.file_chars)
     with Launched(argv, port, out / f"ray-{routing}.log", timeout=1800) as url:
         with concurrent.futures.ThreadPoolExecutor(len(sessions)) as pool:
             played = list(pool.map(lambda s: play(url, s, args.max_tokens), sessions))
