@@ -229,6 +229,7 @@ def test_every_documented_command_is_valid():
                     found = _check_forerun(args, top, subs)
                 else:
                     flags = _source_flags(program)
+                    args = args[: args.index("--")] if "--" in args else args  # (after a bare --: another program's)
                     # (a quoted value holding spaces, `--forerun "--model m --k 4"`, is a value, not a flag)
                     found = [f"{program} {a}: no such option" for a in args
                              if a.startswith("--") and " " not in a and a.partition("=")[0] not in flags]

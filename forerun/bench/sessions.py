@@ -145,8 +145,8 @@ def summary(turns: list[list[Turn]]) -> dict:
             "tokens": sum(t.tokens for s in turns for t in s)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    from forerun.bench.launch import Servers, add_server_options, server_argvs
+def build_parser() -> argparse.ArgumentParser:
+    from forerun.bench.launch import add_server_options
 
     p = argparse.ArgumentParser(prog="python -m forerun.bench.sessions", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -154,6 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=160)
     add_server_options(p, 8192, "forerun-runs/sessions")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from forerun.bench.launch import Servers, server_argvs
+
+    p = build_parser()
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

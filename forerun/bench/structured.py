@@ -118,8 +118,8 @@ def summary(runs: list[dict], reference: list[dict]) -> dict:
             "tau": round(statistics.mean(tau), 3) if tau else None, "forced": forced}
 
 
-def main(argv: list[str] | None = None) -> None:
-    from forerun.bench.launch import Servers, add_server_options, server_argvs
+def build_parser() -> argparse.ArgumentParser:
+    from forerun.bench.launch import add_server_options
 
     p = argparse.ArgumentParser(prog="python -m forerun.bench.structured", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -127,6 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tasks", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     add_server_options(p, 4096, "forerun-runs/structured")  # (llama-server runs with --jinja: its tool calls need it)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from forerun.bench.launch import Servers, server_argvs
+
+    p = build_parser()
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
