@@ -152,3 +152,10 @@ def add_server_options(p, max_len: int, out: str) -> None:
     p.add_argument("--gguf", default=None, help="the GGUF llama-server loads (the same file forerun's model came from)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=out)
+
+
+def out_dir(path: str) -> Path:
+    """The run's output folder, made if missing."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -131,12 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from forerun.bench.launch import Servers, server_argvs
+    from forerun.bench.launch import Servers, out_dir, server_argvs
 
-    p = build_parser()
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = build_parser().parse_args(argv)
+    out = out_dir(args.out)
     servers = server_argvs(args.forerun, args.max_len, args.llama_server, args.gguf, args.threads, args.llama_extra,
                            llama_flags=("--jinja",))
     work = tasks(args.tasks)
