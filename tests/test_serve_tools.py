@@ -75,6 +75,21 @@ def test_a_required_call_is_well_formed_and_speculation_changes_nothing(servers,
     assert b["forerun"]["drafted"] >= 0
 
 
+def test_a_named_function_is_called_once(servers):
+    plain, _ = servers
+    out = chat(plain, tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+               max_tokens=300)
+    calls = out["choices"][0]["message"]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    from forerun.serve.chat_turn import chat_turn
+    from forerun.serve.schemas import ChatRequest
+
+    llm = plain.app.state.llm
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert not chat_turn(llm, ChatRequest(messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named)).parallel
+    assert chat_turn(llm, ChatRequest(messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required")).parallel
+
+
 def test_parallel_calls_may_follow_one_another(servers):
     plain, _ = servers
     out = chat(plain, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=200)

@@ -46,7 +46,8 @@ def chat_turn(llm, body: ChatRequest) -> ChatTurn:
         prompt = llm.apply_chat_template(messages, tools=[t for t in body.tools or []] or None)
     except Exception as e:  # a template that refuses a role order, a model without a template
         raise ApiError(400, f"chat template: {e}", param="messages") from e
-    return ChatTurn(prompt, tools if mode != "none" else [], mode, body.parallel_tool_calls is not False)
+    named = isinstance(body.tool_choice, dict)  # a named function: one call of it, as OpenAI answers
+    return ChatTurn(prompt, tools if mode != "none" else [], mode, body.parallel_tool_calls is not False and not named)
 
 
 def _tools(llm, body: ChatRequest) -> tuple[list, str]:
