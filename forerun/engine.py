@@ -152,8 +152,7 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     batch = chain_batch(new, [len(s.tokens) - 1 for s in active], [s.row for s in active], model.device)
     out = model(batch, cache)
     logits = out.logits  # [B, K + 1, V]
-    shaped = mask_logits(logits, [s.matcher for s in active], drafts)  # the grammars' (same tensor without one)
-    shaped = penalties.apply(shaped, logits, active, drafts)  # then logit_bias and the penalties
+    shaped = _shaped(logits, active, drafts)
     result = _verify(shaped, drafts, job.params, generator, job.typical)
     num_accepted, next_tokens = result.num_accepted.tolist(), result.next_token.tolist()  # the one host sync
     paths = [list(range(n)) for n in num_accepted]
@@ -180,8 +179,7 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
     batch = tree_batch(new, parents, starts, [s.row for s in active], model.device)
     out = model(batch, cache)
     logits = out.logits  # [B, T, V]
-    shaped = mask_logits(logits, [s.matcher for s in active], drafts)  # (constrained / penalized rows hold chains)
-    shaped = penalties.apply(shaped, logits, active, drafts)
+    shaped = _shaped(logits, active, drafts)  # (constrained / penalized rows hold chains)
     greedy = job.params.greedy
     target = shaped if greedy else logits_to_probs(shaped, job.params)
     if job.typical is not None and not greedy:
@@ -204,6 +202,13 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
         rows = [0] + [n + 1 for n in r.path]  # each emitted token was predicted at its parent's row
         _commit(s, emitted, job, cache, draft_s=t1 - t0, verify_s=t2 - t1, scored=_scored(s, logits[i], rows, emitted))
         _mark(s, bool(d.tokens), len(r.path), at_end=r.at_leaf)
+
+
+def _shaped(logits: torch.Tensor, active: list[Sequence], drafts: list[Draft]) -> torch.Tensor:
+    """The logits verification reads: each row's grammar mask, then its logit_bias and penalties,
+    at every drafted position; `logits` itself (kept raw for logprobs) when no row has either."""
+    masked = mask_logits(logits, [s.matcher for s in active], drafts)
+    return penalties.apply(masked, logits, active, drafts)
 
 
 def _record(s: Sequence, d: Draft, depth: int, accepted: int, bonus: bool | None = None):

@@ -15,9 +15,10 @@ from forerun.errors import ConfigError
 from forerun.llm import LLM
 from forerun.metrics import merge
 from tests.stats_util import chi2_pvalue, joint_distribution
+from tests.test_greedy_identity import GREEDY, PROMPTS, plain, verifier  # noqa: F401 (fixtures)
+from tests.test_statistical import ALPHA, N, PARAMS, PROMPT
 from tests.tiny import tiny_model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 
 def test_doctests():
@@ -105,24 +106,13 @@ def test_an_earlier_output_drafts_for_its_own_tenant_only():
 
 
 def test_bad_options_are_refused():
-    verifier = LLM(tiny_model(seed=0))
+    llm = LLM(tiny_model(seed=0))
     for opts in ({"suffix_cache_requests": -1}, {"suffix_min_prob": 2.0}, {"suffix_max_match": 0}):
         with pytest.raises(ConfigError, match="suffix"):
-            verifier.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("suffix", 4, options=opts))
+            llm.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("suffix", 4, options=opts))
 
 
-# -- through LLM.generate ---------------------------------------------------------------------
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1], [4]]
-
-
-@pytest.fixture(scope="module")
-def verifier():
-    return LLM(tiny_model(seed=0))
-
-
-@pytest.fixture(scope="module")
-def plain(verifier):
-    return [o.token_ids for o in verifier.generate(PROMPTS, GREEDY, speculative=None)]
+# -- through LLM.generate (greedy_identity's verifier, prompts and plain outputs) ---------------------
 
 
 @pytest.mark.parametrize("k", [2, 5, 12])
@@ -155,13 +145,7 @@ def test_hybrid_uses_both_drafters_and_equals_plain(verifier, plain):
     assert d.suffix_drafts > 0 and d.fallback_drafts > 0, (d.suffix_drafts, d.fallback_drafts)
 
 
-# -- sampling keeps the verifier's law ---------------------------------------------------------
-N = 20_000
-ALPHA = 1e-3
-PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
-PARAMS = dict(temperature=0.8, top_p=0.9, max_tokens=3)
-
-
+# -- sampling keeps the verifier's law (test_statistical's prompt, parameters and bar) ---------------
 @pytest.fixture(scope="module")
 def small():
     return LLM(tiny_model(seed=0, vocab_size=8, logit_scale=1.0))

@@ -43,7 +43,7 @@ def chat_turn(llm, body: ChatRequest) -> ChatTurn:
         raise ApiError(400, "every message is empty: nothing to answer", param="messages")
     tools, mode = _tools(llm, body)
     try:
-        prompt = llm.apply_chat_template(messages, tools=[t for t in body.tools or []] or None)
+        prompt = llm.apply_chat_template(messages, tools=body.tools or None)
     except Exception as e:  # a template that refuses a role order, a model without a template
         raise ApiError(400, f"chat template: {e}", param="messages") from e
     named = isinstance(body.tool_choice, dict)  # a named function: one call of it, as OpenAI answers
