@@ -211,7 +211,7 @@ def test_a_gguf_file_loads_with_a_float16_cache_and_keeps_the_bits(tmp_path, mon
 
 
 def test_the_paged_cache_gives_the_row_caches_bits(no_torch_attention):
-    """The server's paged cache: blocks scattered in a float16 pool, gathered for the kernels."""
+    """The server's paged cache: blocks scattered in a float16 pool, read by the kernels through its tables."""
     from tests.test_serve_paged import scattered_cache
 
     model = _model("int8")

@@ -12,6 +12,12 @@
 // The cache is float32 or float16 (kv_cache_dtype="float16": half the bytes, lossy). A
 // float16 cache is read through the same float32 code (CacheView below), so the arithmetic,
 // the key order and the ISA paths are the float32 cache's: no float16 variant to test apart.
+// It is laid out as rows [rows, Hkv, cap, D] (kv/cache.py) or as a paged pool [blocks, Hkv,
+// block_size, D] read through a block table [rows, width] (kv/paged.py, the server's): slot s
+// of a row is offset s % block_size of block table[row][s / block_size]. The paged pool is
+// read in place (Keys below) where the plain C++ path runs, and copied a (row, KV head) at a
+// time into per-thread scratch for the AVX512 path, whose chunks read keys as one run; either
+// way every query sees the same values in the same order, so the bits are the rows layout's.
 #include "kernels.h"
 
 #include <torch/extension.h>
@@ -21,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -56,25 +64,101 @@ static void narrow_half(const float* src, int64_t n, at::Half* dst) {
   for (; i < n; ++i) dst[i].x = c10::detail::fp16_ieee_from_fp32_value(src[i]);
 }
 
-// A layer's K or V cache [rows, Hkv, cap, D], float32 or float16, as the attention reads and
-// writes it. Offsets count elements.
+// Rows of one (cache row, KV head)'s K or V as the attention reads them: key j at
+// base + j D (one run), or, in place in a paged pool, at blocks[j >> shift] + (j & mask) D.
+struct Keys {
+  const float* base = nullptr;
+  const float* const* blocks = nullptr;
+  int shift = 0;
+  int64_t mask = 0, D = 0;
+  const float* row(int64_t j) const { return base ? base + j * D : blocks[j >> shift] + (j & mask) * D; }
+};
+
+// Paged float32 pools are read in place only by the plain C++ path (attend_one_scalar), whose
+// runs of keys are at most 4 long (dots<4>, from a multiple of 4): blocks of a power of two
+// >= 4 slots keep each run in one block. The AVX512 path reads 64-key chunks as one run.
+#ifdef FORERUN_VNNI
+constexpr bool PAGED_IN_PLACE = false;
+#else
+constexpr bool PAGED_IN_PLACE = true;
+#endif
+
+// A layer's K or V cache, float32 or float16, as the attention reads and writes it: rows
+// [rows, Hkv, cap, D], or a paged pool [blocks, Hkv, block_size, D] with its table [rows,
+// width] (int64 block ids; cap = width x block_size). Offsets count elements.
 struct CacheView {
   void* data;
   bool half;
+  const int64_t* table = nullptr;  // paged: the block table; nullptr: the rows layout
+  int64_t rows_n, Hkv, cap, D, bs = 0, width = 0, blocks_n = 0;
 
-  explicit CacheView(const torch::Tensor& t) : data(t.data_ptr()), half(t.scalar_type() == torch::kHalf) {}
+  CacheView(const torch::Tensor& t, const torch::Tensor& tables)
+      : data(t.data_ptr()), half(t.scalar_type() == torch::kHalf), Hkv(t.size(1)), D(t.size(3)) {
+    if (!tables.defined()) {
+      rows_n = t.size(0);
+      cap = t.size(2);
+      return;
+    }
+    TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kLong && tables.is_contiguous(),
+                "tables: int64 [rows, width], contiguous");
+    table = tables.data_ptr<int64_t>();
+    rows_n = tables.size(0);
+    width = tables.size(1);
+    bs = t.size(2);
+    cap = width * bs;
+    blocks_n = t.size(0);
+  }
 
-  // Rows [0, n) of D elements from `at` as float32: a float32 cache's own memory, a float16
-  // cache's widened into `scratch` (grown to n D floats at most: bounded by the capacity).
-  const float* rows(int64_t at, int64_t n, int64_t D, std::vector<float>& scratch) const {
-    if (!half) return static_cast<const float*>(data) + at;
+  // Checks that the table entries batch entry b reads (slots [0, need[b]) of row rp[b]) are
+  // blocks of the pool.
+  void check_reads(const int64_t* rp, int64_t B, const int64_t* need) const {
+    if (!table) return;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < (need[b] + bs - 1) / bs; ++i) {
+        const int64_t blk = table[rp[b] * width + i];
+        TORCH_CHECK(blk >= 0 && blk < blocks_n, "a block table entry outside the pool");
+      }
+  }
+
+  // The element offset of slot s of (cache row, KV head).
+  int64_t at(int64_t row, int64_t kvh, int64_t s) const {
+    if (!table) return ((row * Hkv + kvh) * cap + s) * D;
+    return ((table[row * width + s / bs] * Hkv + kvh) * bs + s % bs) * D;
+  }
+
+  // Slots [0, n) of (row, kvh) as float32 rows: a float32 rows cache's own memory; a paged
+  // float32 pool's blocks in place (PAGED_IN_PLACE, blocks of a power of two >= 4 slots, their
+  // pointers in `ptrs`); else the slots widened or copied a block at a time into `scratch`
+  // (grown to n D floats at most: bounded by the capacity).
+  Keys rows(int64_t row, int64_t kvh, int64_t n, std::vector<float>& scratch, std::vector<const float*>& ptrs) const {
+    Keys k;
+    k.D = D;
+    if (!half && !table) {
+      k.base = static_cast<const float*>(data) + at(row, kvh, 0);
+      return k;
+    }
+    if (!half && PAGED_IN_PLACE && bs >= 4 && (bs & (bs - 1)) == 0) {
+      const int64_t nb = (n + bs - 1) / bs;
+      if (static_cast<int64_t>(ptrs.size()) < nb) ptrs.resize(nb);
+      for (int64_t i = 0; i < nb; ++i) ptrs[i] = static_cast<const float*>(data) + at(row, kvh, i * bs);
+      k.blocks = ptrs.data();
+      while ((int64_t{1} << k.shift) < bs) ++k.shift;
+      k.mask = bs - 1;
+      return k;
+    }
     if (static_cast<int64_t>(scratch.size()) < n * D) scratch.resize(n * D);
-    widen_half(static_cast<const at::Half*>(data) + at, n * D, scratch.data());
-    return scratch.data();
+    const int64_t run = table ? bs : n;  // slots stored one after another
+    for (int64_t s = 0; s < n; s += run) {
+      const int64_t m = std::min(run, n - s);
+      if (half) widen_half(static_cast<const at::Half*>(data) + at(row, kvh, s), m * D, scratch.data() + s * D);
+      else std::memcpy(scratch.data() + s * D, static_cast<const float*>(data) + at(row, kvh, s), m * D * sizeof(float));
+    }
+    k.base = scratch.data();
+    return k;
   }
 
   // One row src [D] stored at `at` (rounded to float16 for a float16 cache).
-  void store(int64_t at, const float* src, int64_t D) const {
+  void store(int64_t at, const float* src) const {
     if (half) narrow_half(src, D, static_cast<at::Half*>(data) + at);
     else std::memcpy(static_cast<float*>(data) + at, src, D * sizeof(float));
   }
@@ -434,15 +518,16 @@ static bool attend_group_d(int64_t D, int64_t G, const float* const* qv, const i
 #endif
 
 // The same attention in plain C++ (any D; every ISA). p [L], acc0 / acc1 [D]: scratch;
-// idx: the rows of the L keys, as in attend_group_avx512 (nullptr: keys 0 .. L).
-static void attend_one_scalar(const float* qv, const float* kb, const float* vb, int64_t L, int64_t D, float scale,
+// idx: the rows of the L keys, as in attend_group_avx512 (nullptr: keys 0 .. L). kb, vb: the
+// keys' and values' rows (in one run, or in place in a paged pool's blocks: the same values).
+static void attend_one_scalar(const float* qv, const Keys& kb, const Keys& vb, int64_t L, int64_t D, float scale,
                               float* p, float* acc0, float* acc1, float* o, const int32_t* idx) {
   auto key = [&](int64_t j) -> int64_t { return idx ? idx[j] : j; };
   int64_t j = 0;
   if (idx)  // (dots<R> gives each key the same arithmetic for any R)
-    for (; j < L; ++j) dots<1>(qv, kb + key(j) * D, D, p + j);
-  for (; j + 4 <= L; j += 4) dots<4>(qv, kb + j * D, D, p + j);
-  for (; j < L; ++j) dots<1>(qv, kb + j * D, D, p + j);
+    for (; j < L; ++j) dots<1>(qv, kb.row(key(j)), D, p + j);
+  for (; j + 4 <= L; j += 4) dots<4>(qv, kb.row(j), D, p + j);  // (keys j .. j + 3 are one run)
+  for (; j < L; ++j) dots<1>(qv, kb.row(j), D, p + j);
   float lanes[16];  // 16-lane max, then 16-lane sum, each joined in a fixed order
   for (int l = 0; l < 16; ++l) lanes[l] = -INFINITY;
   for (j = 0; j < L; ++j) p[j] *= scale;
@@ -460,14 +545,16 @@ static void attend_one_scalar(const float* qv, const float* kb, const float* vb,
   for (int64_t d = 0; d < D; ++d) acc0[d] = acc1[d] = 0.f;
   for (j = 0; j + 2 <= L; j += 2) {  // two chains (even / odd keys), joined at the end
     const float p0 = p[j], p1 = p[j + 1];
-    const float *v0 = vb + key(j) * D, *v1 = vb + key(j + 1) * D;
+    const float *v0 = vb.row(key(j)), *v1 = vb.row(key(j + 1));
     for (int64_t d = 0; d < D; ++d) {
       acc0[d] = std::fma(p0, v0[d], acc0[d]);
       acc1[d] = std::fma(p1, v1[d], acc1[d]);
     }
   }
-  if (j < L)
-    for (int64_t d = 0; d < D; ++d) acc0[d] = std::fma(p[j], vb[key(j) * D + d], acc0[d]);
+  if (j < L) {
+    const float* v0 = vb.row(key(j));
+    for (int64_t d = 0; d < D; ++d) acc0[d] = std::fma(p[j], v0[d], acc0[d]);
+  }
   const float inv = 1.f / sum;
   for (int64_t d = 0; d < D; ++d) o[d] = (acc0[d] + acc1[d]) * inv;
 }
@@ -494,54 +581,60 @@ struct Group {
 // queries over a 2048-key cache: 22 MB of memset a forward).
 struct Scratch {
   std::vector<float> p, acc, sums;
-  std::vector<float> k, v;  // a float16 cache's rows, widened (CacheView::rows)
+  std::vector<float> k, v;  // a float16 cache's rows widened, or a paged pool's copied (CacheView::rows)
+  std::vector<const float*> kb, vb;  // a paged pool's block pointers, read in place (CacheView::rows)
   static float* at_least(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
   }
 };
 
-// A group's attention over kb, vb [cap, D]: AVX512 where D is a multiple of 16 up to 256,
-// else query by query in plain C++.
+// A group's attention over kb, vb: AVX512 where D is a multiple of 16 up to 256 (its keys
+// in one run: CacheView::rows copies a paged pool's there), else query by query in plain C++.
 template <bool IDX>
-static void attend_group(const Group& grp, const float* kb, const float* vb, int64_t D, float scale, Scratch& s) {
+static void attend_group(const Group& grp, const Keys& kb, const Keys& vb, int64_t D, float scale, Scratch& s) {
   const int64_t G = static_cast<int64_t>(grp.q.size());
   const int64_t stride = (*std::max_element(grp.L.begin(), grp.L.end()) + 15) / 16 * 16;  // (L <= cap)
   float *p = Scratch::at_least(s.p, G * stride), *acc = Scratch::at_least(s.acc, G * 2 * D);
   float* sums = Scratch::at_least(s.sums, G);
 #ifdef FORERUN_VNNI
-  if (attend_group_d<IDX>(D, G, grp.q.data(), grp.L.data(), kb, vb, scale, p, stride, acc, sums, grp.o.data(),
-                          grp.idx.data()))
+  TORCH_CHECK(kb.base && vb.base, "the AVX512 attention reads keys in one run");
+  if (attend_group_d<IDX>(D, G, grp.q.data(), grp.L.data(), kb.base, vb.base, scale, p, stride, acc, sums,
+                          grp.o.data(), grp.idx.data()))
     return;
 #endif
   for (int64_t g = 0; g < G; ++g)
     attend_one_scalar(grp.q[g], kb, vb, grp.L[g], D, scale, p, acc, acc + D, grp.o[g], IDX ? grp.idx[g] : nullptr);
 }
 
-static void check_cache(const torch::Tensor& k, const torch::Tensor& v) {
+// The layer's K and V cache (rows, or a paged pool with `tables`), checked, as CacheViews.
+static std::pair<CacheView, CacheView> cache_views(const torch::Tensor& k, const torch::Tensor& v,
+                                                   const std::optional<torch::Tensor>& tables) {
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
               k.scalar_type() == v.scalar_type() &&
               (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf),
-              "k, v: float32 or float16 [rows, Hkv, cap, D], both of one dtype");
+              "k, v: float32 or float16 [rows, Hkv, cap, D] (or [blocks, Hkv, block_size, D] with tables), one dtype");
+  const torch::Tensor t = tables.has_value() ? *tables : torch::Tensor();
+  return {CacheView(k, t), CacheView(v, t)};
 }
 
-// rows [B] as contiguous int64, each checked to be a row of the cache k [rows, Hkv, cap, D].
-static torch::Tensor cache_rows(const torch::Tensor& rows, int64_t B, const torch::Tensor& k) {
+// rows [B] as contiguous int64, each checked to be a row of the cache.
+static torch::Tensor cache_rows(const torch::Tensor& rows, int64_t B, const CacheView& k) {
   auto r = rows.to(torch::kLong).contiguous();
   TORCH_CHECK(r.numel() == B, "rows [B]");
   const int64_t* rp = r.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "cache row out of range");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.rows_n, "cache row out of range");
   return r;
 }
 
 // body(b, h0, h1, kb, vb, scratch) for every batch entry b and run of query heads
-// [h0, h1) sharing one KV head, in parallel; kb / vb point at the K / V of b's cache row
-// (rp[b]) for that KV head, as float32 rows [0, need[b]) at least (the slots b's queries
-// read). A KV head's query heads form one run, or several when there are fewer (b, KV head)
-// pairs than threads.
+// [h0, h1) sharing one KV head, in parallel; kb / vb read the K / V of b's cache row (rp[b])
+// for that KV head, as float32 rows [0, need[b]) at least (the slots b's queries read). A KV
+// head's query heads form one run, or several when there are fewer (b, KV head) pairs than
+// threads.
 template <class Body>
-static void for_each_group(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64_t D, const int64_t* rp,
-                           const CacheView& k, const CacheView& v, const int64_t* need, Body body) {
+static void for_each_group(int64_t B, int64_t H, int64_t Hkv, int64_t D, const int64_t* rp, const CacheView& k,
+                           const CacheView& v, const int64_t* need, Body body) {
   const int64_t group = H / Hkv, pairs = B * Hkv;
   const int64_t parts = std::min<int64_t>(group, (at::get_num_threads() + pairs - 1) / pairs);
   const int64_t per = (group + parts - 1) / parts;
@@ -551,26 +644,27 @@ static void for_each_group(int64_t B, int64_t H, int64_t Hkv, int64_t cap, int64
       const int64_t b = u / (Hkv * parts), kvh = u / parts % Hkv, h0 = kvh * group + u % parts * per;
       const int64_t h1 = std::min(h0 + per, (kvh + 1) * group);
       if (h0 >= h1) continue;
-      const int64_t at = (rp[b] * Hkv + kvh) * cap * D;
-      body(b, h0, h1, k.rows(at, need[b], D, s.k), v.rows(at, need[b], D, s.v), s);
+      body(b, h0, h1, k.rows(rp[b], kvh, need[b], s.k, s.kb), v.rows(rp[b], kvh, need[b], s.v, s.vb), s);
     }
   });
 }
 
 // Attention where query t of batch entry b sees keys [0, limits[b, t]) of its cache row (a
 // chain: every query sees a prefix). q [B, H, T, D]; k/v: the layer's whole cache, float32
-// or float16 [rows, Hkv, capacity, D]; rows [B]; limits [B, T] -> [B, H, T, D].
+// or float16 [rows, Hkv, capacity, D] (or a paged pool [blocks, Hkv, block_size, D] and its
+// tables [rows, width]); rows [B]; limits [B, T] -> [B, H, T, D].
 torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
-                            torch::Tensor limits, double scale_d) {
+                            torch::Tensor limits, double scale_d, std::optional<torch::Tensor> tables) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
-  check_cache(k, v);
+  const auto views = cache_views(k, v, tables);
+  const CacheView &kc = views.first, &vc = views.second;
   const auto q = q_in.contiguous();
   const auto lim = limits.to(torch::kLong).contiguous();
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), cap = k.size(2);
-  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "head shapes");
+  const int64_t Hkv = kc.Hkv, cap = kc.cap;
+  TORCH_CHECK(kc.D == D && H % Hkv == 0, "head shapes");
   TORCH_CHECK(lim.size(0) == B && lim.size(1) == T, "limits [B, T]");
-  const auto row_idx = cache_rows(rows, B, k);
+  const auto row_idx = cache_rows(rows, B, kc);
   const float scale = static_cast<float>(scale_d);
   auto out = torch::empty({B, H, T, D}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -580,8 +674,9 @@ torch::Tensor attend_prefix(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "a query must see between 1 and capacity keys");
   std::vector<int64_t> need(B, 0);  // the keys b's queries see: [0, max limit)
   for (int64_t i = 0; i < B * T; ++i) need[i / T] = std::max(need[i / T], lp[i]);
-  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), CacheView(k), CacheView(v), need.data(),
-                 [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
+  kc.check_reads(row_idx.data_ptr<int64_t>(), B, need.data());
+  for_each_group(B, H, Hkv, D, row_idx.data_ptr<int64_t>(), kc, vc, need.data(),
+                 [&](int64_t b, int64_t h0, int64_t h1, const Keys& kb, const Keys& vb, Scratch& s) {
                    Group grp;
                    for (int64_t h = h0; h < h1; ++h)
                      for (int64_t t = 0; t < T; ++t)
@@ -604,30 +699,34 @@ static inline void rotate_half(const float* x, const float* c, const float* s, i
 //   1. rotate q and k of each new token (RoPE), write k and v at its slot of its cache row;
 //   2. query t of batch entry b attends over slots [0, slots[b, t]] of its row.
 // qkv [B, T, (H + 2 Hkv) D] (the q/k/v linear's output); cos, sin [B, 1, T, D];
-// k, v: the layer's cache [rows, Hkv, cap, D]; rows [B]; slots [B, T] -> [B, T, H D], the
-// layout the output linear reads (no transpose copy).
+// k, v: the layer's cache [rows, Hkv, cap, D] (or a paged pool and its tables, as
+// attend_prefix); rows [B]; slots [B, T] -> [B, T, H D], the layout the output linear reads
+// (no transpose copy).
 torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torch::Tensor sin_in, torch::Tensor k,
                                 torch::Tensor v, torch::Tensor rows, torch::Tensor slots, int64_t heads,
-                                int64_t kv_heads, double scale_d) {
-  check_cache(k, v);
-  const int64_t H = heads, Hkv = kv_heads, D = k.size(3), cap = k.size(2);
+                                int64_t kv_heads, double scale_d, std::optional<torch::Tensor> tables) {
+  const auto views = cache_views(k, v, tables);
+  const CacheView &kc = views.first, &vc = views.second;
+  const int64_t H = heads, Hkv = kv_heads, D = kc.D, cap = kc.cap;
   TORCH_CHECK(qkv_in.dim() == 3 && qkv_in.scalar_type() == torch::kFloat32 && qkv_in.size(2) == (H + 2 * Hkv) * D,
               "qkv: float32 [B, T, (heads + 2 kv_heads) head_dim]");
-  TORCH_CHECK(Hkv == k.size(1) && H % Hkv == 0 && D % 2 == 0, "head shapes");
+  TORCH_CHECK(Hkv == kc.Hkv && H % Hkv == 0 && D % 2 == 0, "head shapes");
   const int64_t B = qkv_in.size(0), T = qkv_in.size(1), W = qkv_in.size(2);
   const auto qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
               cos.numel() == B * T * D && sin.numel() == B * T * D, "cos, sin: float32 [B, 1, T, head_dim]");
-  const auto row_idx = cache_rows(rows, B, k);
+  const auto row_idx = cache_rows(rows, B, kc);
   const auto slot = slots.to(torch::kLong).contiguous();
   TORCH_CHECK(slot.numel() == B * T, "slots [B, T]");
   const int64_t *rp = row_idx.data_ptr<int64_t>(), *sp = slot.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < cap, "slot outside the cache");
+  std::vector<int64_t> need(B, 0);  // the keys b's queries see: [0, last slot + 1) (its writes among them)
+  for (int64_t i = 0; i < B * T; ++i) need[i / T] = std::max(need[i / T], sp[i] + 1);
+  kc.check_reads(rp, B, need.data());
   auto q = torch::empty({B, H, T, D}, qkv.options());
   auto out = torch::empty({B, T, H * D}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *op = out.data_ptr<float>();
-  const CacheView kc(k), vc(v);
   at::parallel_for(0, B * T, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> kr(D);  // a rotated key row before its store
     for (int64_t i = i0; i < i1; ++i) {
@@ -635,18 +734,16 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
       const float *x = xp + i * W, *c = cp + i * D, *s = snp + i * D;
       for (int64_t h = 0; h < H; ++h) rotate_half(x + h * D, c, s, D, qp + ((b * H + h) * T + t) * D);
       for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t at = ((rp[b] * Hkv + h) * cap + sp[i]) * D;
+        const int64_t at = kc.at(rp[b], h, sp[i]);
         rotate_half(x + (H + h) * D, c, s, D, kr.data());
-        kc.store(at, kr.data(), D);
-        vc.store(at, x + (H + Hkv + h) * D, D);
+        kc.store(at, kr.data());
+        vc.store(at, x + (H + Hkv + h) * D);
       }
     }
   });
   const float scale = static_cast<float>(scale_d);
-  std::vector<int64_t> need(B, 0);  // the keys b's queries see: [0, last slot + 1)
-  for (int64_t i = 0; i < B * T; ++i) need[i / T] = std::max(need[i / T], sp[i] + 1);
-  for_each_group(B, H, Hkv, cap, D, rp, kc, vc, need.data(),
-                 [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
+  for_each_group(B, H, Hkv, D, rp, kc, vc, need.data(),
+                 [&](int64_t b, int64_t h0, int64_t h1, const Keys& kb, const Keys& vb, Scratch& s) {
                    Group grp;
                    for (int64_t h = h0; h < h1; ++h)
                      for (int64_t t = 0; t < T; ++t)
@@ -661,19 +758,21 @@ torch::Tensor rope_write_attend(torch::Tensor qkv_in, torch::Tensor cos_in, torc
 // code as a chain. A tree node's visible keys are the prefix and its ancestors, whose K/V
 // carry the bits its chain would have given them (same tokens, same RoPE positions), so
 // the node's output equals the chain's: int8 tree verification keeps plain decoding's bits.
-// q [B, H, T, D]; k/v [rows, Hkv, cap, D]; rows [B]; mask [B, T, S] bool -> [B, H, T, D].
+// q [B, H, T, D]; k/v [rows, Hkv, cap, D] (or a paged pool and its tables, as attend_prefix);
+// rows [B]; mask [B, T, S] bool -> [B, H, T, D].
 torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
-                            torch::Tensor mask_in, double scale_d) {
+                            torch::Tensor mask_in, double scale_d, std::optional<torch::Tensor> tables) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == torch::kFloat32, "q: float32 [B, H, T, D]");
-  check_cache(k, v);
+  const auto views = cache_views(k, v, tables);
+  const CacheView &kc = views.first, &vc = views.second;
   const auto q = q_in.contiguous();
   const auto mask = mask_in.to(torch::kBool).contiguous();
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), cap = k.size(2);
-  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "head shapes");
+  const int64_t Hkv = kc.Hkv, cap = kc.cap;
+  TORCH_CHECK(kc.D == D && H % Hkv == 0, "head shapes");
   TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T && mask.size(2) <= cap,
               "mask [B, T, S] with S <= capacity");
-  const auto row_idx = cache_rows(rows, B, k);
+  const auto row_idx = cache_rows(rows, B, kc);
   const int64_t S = mask.size(2);
   const bool* mp = mask.data_ptr<bool>();
   std::vector<std::vector<int32_t>> seen(B * T);  // visible slots per query, in slot order
@@ -684,12 +783,13 @@ torch::Tensor attend_masked(torch::Tensor q_in, torch::Tensor k, torch::Tensor v
     TORCH_CHECK(!seen[i].empty(), "a query must see at least one key");
     need[i / T] = std::max<int64_t>(need[i / T], seen[i].back() + 1);
   }
+  kc.check_reads(row_idx.data_ptr<int64_t>(), B, need.data());
   const float scale = static_cast<float>(scale_d);
   auto out = torch::empty({B, H, T, D}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for_each_group(B, H, Hkv, cap, D, row_idx.data_ptr<int64_t>(), CacheView(k), CacheView(v), need.data(),
-                 [&](int64_t b, int64_t h0, int64_t h1, const float* kb, const float* vb, Scratch& s) {
+  for_each_group(B, H, Hkv, D, row_idx.data_ptr<int64_t>(), kc, vc, need.data(),
+                 [&](int64_t b, int64_t h0, int64_t h1, const Keys& kb, const Keys& vb, Scratch& s) {
                    Group grp;
                    for (int64_t h = h0; h < h1; ++h)
                      for (int64_t t = 0; t < T; ++t) {

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from forerun.kv.cache import ForwardBatch, KVCache, widened
+from forerun.kv.paged import PagedKVCache
 
 WIDE_ROWS = 64  # forwards of fewer tokens take the one-call layer (the linears' few-token kernels)
 
@@ -82,9 +83,9 @@ class TorchBackend:
         return sdpa(attn, q, batch, cache, bias)
 
     def masked_kernel(self, q: torch.Tensor, cache):
-        """The per-query attention under a bool mask, attend_masked(q, k, v, rows, mask [B, T, S],
-        scale), where it takes q and the cache (Gemma's layers split rows by length around it),
-        else None."""
+        """The per-query attention under a bool mask over `cache`, as kernel(q, layer, rows,
+        mask [B, T, S], scale), where it takes q and the cache (Gemma's layers split rows by
+        length around it), else None."""
         return None
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -127,9 +128,9 @@ class CpuKernels(TorchBackend):
         return x.dtype == torch.float32 and cache.dtype in (torch.float32, torch.float16)
 
     def chain(self, x, batch: ForwardBatch, cache) -> bool:
-        """A chain over forerun's own row cache (a paged cache gathers its blocks, so it keeps
-        the op-by-op path), in float32."""
-        return (batch.starts is not None and type(cache) is KVCache and self.takes(x, cache)
+        """A chain over forerun's own row cache or paged pool (the kernels read its blocks through
+        its tables), in float32."""
+        return (batch.starts is not None and isinstance(cache, (KVCache, PagedKVCache)) and self.takes(x, cache)
                 and (not self.prefill_sdpa or max(batch.lengths) < WIDE_ROWS))
 
     def few_tokens(self, x, batch: ForwardBatch, cache) -> bool:
@@ -155,7 +156,7 @@ class CpuKernels(TorchBackend):
     def layer_stack(self, model, x, cos, sin, batch, cache):
         if self.stack is None or not self.few_tokens(x, batch, cache):
             return None
-        return self.stack(x, cos, sin, cache.k, cache.v, batch.row_index, batch.slots)
+        return self.stack(x, cos, sin, *cache.pools, batch.row_index, batch.slots, cache.tables)
 
     def layer(self, layer, x, cos, sin, batch, cache):
         """The whole layer in one compiled call (layer_rows.cpp: the same ops, the same bits)."""
@@ -164,9 +165,9 @@ class CpuKernels(TorchBackend):
         linears = layer.bound_linears()
         if linears is None:
             return None
-        a = layer.self_attn
-        return self.kernel.decoder_layer_rows(x, *linears, cos, sin, cache.k[a.layer], cache.v[a.layer],
-                                              batch.row_index, batch.slots, a.nh, a.nkv, a.hd**-0.5)
+        a, (k, v) = layer.self_attn, cache.pools
+        return self.kernel.decoder_layer_rows(x, *linears, cos, sin, k[a.layer], v[a.layer], batch.row_index,
+                                              batch.slots, a.nh, a.nkv, a.hd**-0.5, cache.tables)
 
     def _layers_in_one_call(self) -> bool:
         return self.fused and self.fused_layer and self.one_call
@@ -176,16 +177,18 @@ class CpuKernels(TorchBackend):
     def attention(self, attn, x, cos, sin, batch, cache):
         if not (self.fused_layer and attn.plain_qkv and self.chain(x, batch, cache)):
             return None
-        return self.kernel.rope_write_attend(attn.qkv_proj(x), cos, sin, cache.k[attn.layer], cache.v[attn.layer],
-                                             batch.row_index, batch.slots, attn.nh, attn.nkv, attn.hd**-0.5)
+        k, v = cache.pools
+        return self.kernel.rope_write_attend(attn.qkv_proj(x), cos, sin, k[attn.layer], v[attn.layer], batch.row_index,
+                                             batch.slots, attn.nh, attn.nkv, attn.hd**-0.5, cache.tables)
 
     def attend(self, attn, q, batch, cache, bias):
         if self.per_query and batch.starts is not None and self.takes(q, cache):
             return self._chain_attention(attn, q, batch, cache)
         if self.masked and batch.attention == "mask" and self.takes(q, cache):
             # a token tree: per query too, so a node on the accepted path gets its chain's bits
-            return self.kernel.attend_masked(q, cache.k[attn.layer], cache.v[attn.layer], batch.row_index,
-                                             batch.mask[:, 0], attn.hd**-0.5)
+            k, v = cache.pools
+            return self.kernel.attend_masked(q, k[attn.layer], v[attn.layer], batch.row_index, batch.mask[:, 0],
+                                             attn.hd**-0.5, cache.tables)
         return super().attend(attn, q, batch, cache, bias)
 
     def _chain_attention(self, attn, q, batch: ForwardBatch, cache):
@@ -194,21 +197,28 @@ class CpuKernels(TorchBackend):
         or more new tokens goes through SDPA's flash kernel on that row alone instead (its bits
         still never depend on its batch-mates, but differ from decoding's)."""
         scale = attn.hd**-0.5
-        k_all, v_all = cache.k[attn.layer], cache.v[attn.layer]
+        k, v = cache.pools
+        k_all, v_all, tables = k[attn.layer], v[attn.layer], cache.tables
         long = [b for b, n in enumerate(batch.lengths) if n >= WIDE_ROWS] if self.prefill_sdpa else []
         if not long:
-            return self.kernel.attend_prefix(q, k_all, v_all, batch.row_index, batch.slots + 1, scale)
+            return self.kernel.attend_prefix(q, k_all, v_all, batch.row_index, batch.slots + 1, scale, tables)
         out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)
-        for b in long:
-            out[b : b + 1, :, : batch.lengths[b]] = _row_sdpa(attn, q[b : b + 1], k_all, v_all, batch, b)
+        for b in long:  # (cache.k: rows [rows, nkv, S, hd] of either cache, a paged one's gathered)
+            out[b : b + 1, :, : batch.lengths[b]] = _row_sdpa(attn, q[b : b + 1], cache.k[attn.layer],
+                                                              cache.v[attn.layer], batch, b)
         short = [b for b, n in enumerate(batch.lengths) if n < WIDE_ROWS]
         if short:
             idx = torch.tensor(short, device=q.device)
-            out[idx] = self.kernel.attend_prefix(q[idx], k_all, v_all, batch.row_index[idx], batch.slots[idx] + 1, scale)
+            out[idx] = self.kernel.attend_prefix(q[idx], k_all, v_all, batch.row_index[idx], batch.slots[idx] + 1,
+                                                 scale, tables)
         return out
 
     def masked_kernel(self, q, cache):
-        return self.kernel.attend_masked if self.masked and self.takes(q, cache) else None
+        if not (self.masked and self.takes(q, cache)):
+            return None
+        k, v = cache.pools
+        return lambda q, layer, rows, mask, scale: self.kernel.attend_masked(q, k[layer], v[layer], rows, mask, scale,
+                                                                            cache.tables)
 
     # --- small fused ops -------------------------------------------------------------------
 

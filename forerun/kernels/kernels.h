@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 // int8_rows.cpp
@@ -30,13 +31,14 @@ float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc,
 torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                                std::vector<int64_t> rows, torch::Tensor bias);
 
-// attention_rows.cpp
+// attention_rows.cpp (tables: a paged pool's block tables [rows, width]; none: k, v are rows)
 torch::Tensor attend_prefix(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor limits,
-                            double scale);
+                            double scale, std::optional<torch::Tensor> tables);
 torch::Tensor attend_masked(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor mask,
-                            double scale);
+                            double scale, std::optional<torch::Tensor> tables);
 torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                                torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale);
+                                torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale,
+                                std::optional<torch::Tensor> tables);
 
 // Each source's Python bindings (module.cpp calls them all).
 void bind_int8_rows(pybind11::module& m);

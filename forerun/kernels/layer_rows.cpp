@@ -137,10 +137,11 @@ static torch::Tensor& add_rows_(torch::Tensor& out, const torch::Tensor& x) {
 torch::Tensor decoder_layer_rows(torch::Tensor x, const KernelLinear& qkv, const KernelLinear& o,
                                  const KernelLinear& gate_up, const KernelLinear& down, torch::Tensor cos,
                                  torch::Tensor sin, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
-                                 torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale) {
+                                 torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale,
+                                 std::optional<torch::Tensor> tables) {
   // Fresh outputs are added to in place: the same values (float addition commutes), fewer
   // allocations and dispatches.
-  auto h = o(rope_write_attend(qkv(x), cos, sin, k, v, rows, slots, heads, kv_heads, scale));
+  auto h = o(rope_write_attend(qkv(x), cos, sin, k, v, rows, slots, heads, kv_heads, scale, tables));
   add_rows_(h, x);
   auto out = down(silu_mul_rows(gate_up(h)));
   return add_rows_(out, h);
@@ -149,7 +150,8 @@ torch::Tensor decoder_layer_rows(torch::Tensor x, const KernelLinear& qkv, const
 // A decoder's layers, each as decoder_layer_rows runs it, from one call: between 24-28 layer
 // calls from Python a few-token forward spends about a millisecond (module dispatch, argument
 // conversion), an eighth of the 0.5B drafter's. The linears are bound once (copies of their
-// KernelLinears: tensor handles); the cache's K / V lists and the chain's rows come per call.
+// KernelLinears: tensor handles); the cache's K / V lists (and a paged pool's block tables, one
+// for every layer) and the chain's rows come per call.
 struct LayerStack {
   std::vector<KernelLinear> linears;  // per layer: qkv, o, gate_up, down
   int64_t heads, kv_heads;
@@ -161,12 +163,13 @@ struct LayerStack {
   }
 
   torch::Tensor operator()(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& k,
-                           const std::vector<torch::Tensor>& v, torch::Tensor rows, torch::Tensor slots) const {
+                           const std::vector<torch::Tensor>& v, torch::Tensor rows, torch::Tensor slots,
+                           std::optional<torch::Tensor> tables) const {
     const size_t n = linears.size() / 4;
     TORCH_CHECK(k.size() == n && v.size() == n, "LayerStack: one K and one V cache per layer");
     for (size_t i = 0; i < n; ++i) {
       const KernelLinear* l = &linears[4 * i];
-      x = decoder_layer_rows(x, l[0], l[1], l[2], l[3], cos, sin, k[i], v[i], rows, slots, heads, kv_heads, scale);
+      x = decoder_layer_rows(x, l[0], l[1], l[2], l[3], cos, sin, k[i], v[i], rows, slots, heads, kv_heads, scale, tables);
     }
     return x;
   }
@@ -180,7 +183,13 @@ void bind_layer_rows(pybind11::module& m) {
       .def("__call__", &KernelLinear::operator());
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<std::vector<KernelLinear>, int64_t, int64_t, double>())
-      .def("__call__", &LayerStack::operator(), "every layer's decoder_layer_rows in turn");
+      .def("__call__", &LayerStack::operator(), "every layer's decoder_layer_rows in turn", pybind11::arg("x"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("rows"),
+           pybind11::arg("slots"), pybind11::arg("tables") = pybind11::none());
   m.def("silu_mul_rows", &silu_mul_rows, "silu(gate) * up of gate_up's [gate | up], forerun's exp, any number of rows");
-  m.def("decoder_layer_rows", &decoder_layer_rows, "a chain's int8 / int4 / gguf decoder layer in one call (the same bits)");
+  namespace py = pybind11;
+  m.def("decoder_layer_rows", &decoder_layer_rows, "a chain's int8 / int4 / gguf decoder layer in one call (the same bits)",
+        py::arg("x"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("cos"), py::arg("sin"),
+        py::arg("k"), py::arg("v"), py::arg("rows"), py::arg("slots"), py::arg("heads"), py::arg("kv_heads"),
+        py::arg("scale"), py::arg("tables") = py::none());
 }

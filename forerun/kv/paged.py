@@ -4,13 +4,14 @@ check_fits, truncate, move, lengths, k/v per layer), so the models and the engin
 unchanged, and position-indexing stays the rule: slot s of row r is offset s % block_size
 of block tables[r][s // block_size].
 
-What it costs: attention reads a row's keys as one contiguous run of slots (SDPA and the
-int8 / float32 chain-attention kernels take [rows, H, S, D] tensors), so `read` and `k[layer]`
-/ `v[layer]` gather the batch rows' blocks into reused buffers for each layer of each
-forward: two copies of the K/V a forward attends to, and buffers of 4 / num_layers of a row
-cache. In exchange the pool holds only the blocks sequences can use (the row cache
-preallocates rows x max_len), and the bits are the same (the gathered values are the
-stored values; the exactness tests run on this cache).
+Who reads it how: forerun's kernels (kernels/attention_rows.cpp) take the pools and the block
+tables (`pools`, `tables`) and read and write the blocks where they lie, so the server runs
+the one-call layers `LLM` runs, and a row's bits are the row cache's. Torch's attention (SDPA,
+the bfloat16 and accelerator paths) reads a row's keys as one run of slots, so `read` and
+`k[layer]` / `v[layer]` gather the batch rows' blocks into reused buffers for each layer of
+each forward (two copies, and buffers of 4 / num_layers of a row cache). In exchange for the
+tables, the pool holds only the blocks sequences can use (the row cache preallocates rows x
+max_len).
 Table entries past a row's blocks point at a scratch block that no sequence owns, so the
 padding queries of a ragged batch write there instead of into another sequence's blocks.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.kv.cache import ForwardBatch, KVCache, widened
+from forerun.kv.cache import ForwardBatch, KVCache, lazy_zeros, widened
 
 
 class _LayerViews:
@@ -40,8 +41,9 @@ class PagedKVCache:
         c = model.config
         shape = (num_blocks + 1, c.num_key_value_heads, block_size, c.head_dim)  # + the scratch block
         dtype = model.kv_dtype  # the model's, or float16 (kv_cache_dtype)
-        self.k_pool = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(c.num_hidden_layers)]
-        self.v_pool = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        # (memory the OS commits as blocks are first written: a pool sized by a budget costs what is used)
+        self.k_pool = [lazy_zeros(shape, dtype, model.device) for _ in range(c.num_hidden_layers)]
+        self.v_pool = [lazy_zeros(shape, dtype, model.device) for _ in range(c.num_hidden_layers)]
         self.block_size, self.capacity, self.scratch = block_size, capacity, num_blocks
         self.width = -(-capacity // block_size)  # table entries per row
         self.tables = torch.full((rows, self.width), num_blocks, dtype=torch.long, device=model.device)  # [rows, width]
@@ -64,6 +66,12 @@ class PagedKVCache:
     def dtype(self) -> torch.dtype:
         """The keys' and values' dtype."""
         return self.k_pool[0].dtype
+
+    @property
+    def pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The K and V pools per layer as the kernels read them, [blocks + 1, H_kv, block_size, D],
+        through `tables` [rows, width] (int64 block ids; entries past a row's blocks: scratch)."""
+        return self.k_pool, self.v_pool
 
     def set_table(self, row: int, blocks: list[int]) -> None:
         """Row `row` now reads and writes through `blocks` (its sequence's table, position order)."""

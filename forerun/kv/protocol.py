@@ -19,8 +19,14 @@ from forerun.kv.cache import ForwardBatch
 class KVStore(Protocol):
     lengths: list[int]  # host-side, per row: slots [0, length) hold committed tokens
     capacity: int  # slots per row
-    k: object  # per layer, indexable: the layer's keys as the kernels read them ([rows, H_kv, S, D])
+    k: object  # per layer, indexable: the layer's keys as rows [rows, H_kv, S, D] (a paged cache gathers them)
     v: object
+    # What forerun's kernels read: per layer K and V as rows [rows, H_kv, capacity, D] (tables
+    # None), or a block pool [blocks, H_kv, block_size, D] read through tables [rows, width].
+    tables: torch.Tensor | None
+
+    @property
+    def pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
     @property
     def num_rows(self) -> int: ...

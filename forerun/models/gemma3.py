@@ -89,11 +89,11 @@ class Attention(nn.Module):
         many queries it scores: every query through the per-query kernel under its mask
         (sliding windows included), a prompt's too; with prefill_sdpa a row of WIDE_ROWS or
         more new tokens goes through SDPA on that row alone, over only the slots it can see."""
-        k_all, v_all = cache.k[self.layer], cache.v[self.layer]
         lengths = batch.lengths  # None for a token tree: every node through the kernel
         long = [] if lengths is None or not prefill_sdpa else [b for b, n in enumerate(lengths) if n >= WIDE_ROWS]
         if not long:
-            return kernel(q, k_all, v_all, batch.row_index, mask[:, 0], self.scale)
+            return kernel(q, self.layer, batch.row_index, mask[:, 0], self.scale)
+        k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # rows [rows, nkv, S, hd] (a paged cache's gathered)
         out = torch.zeros_like(q)  # (B, nh, T, hd); padded queries stay 0 (nobody reads them)
         for b in long:
             row, n = batch.rows[b], lengths[b]
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         short = [b for b, n in enumerate(lengths) if n < WIDE_ROWS]
         if short:
             idx = torch.tensor(short, device=q.device)
-            out[idx] = kernel(q[idx], k_all, v_all, batch.row_index[idx], mask[idx, 0], self.scale)
+            out[idx] = kernel(q[idx], self.layer, batch.row_index[idx], mask[idx, 0], self.scale)
         return out
 
     def _capped_attention(self, q, keys, values, mask):
