@@ -1,30 +1,30 @@
-"""The same request through `LLM.generate` and through `forerun serve`, alternated in one
-process: decode tok/s and time to first token (prefill) of each, so the server's cost over
-the library shows at agent-sized contexts.
+"""The same request through `LLM.generate` and through `forerun serve`, alternated: decode tok/s
+and time to first token (prefill) of each, so the server's cost over the library shows at
+agent-sized contexts.
 
     python scripts/serve_vs_llm.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --context 2048
 
-The prompt is a chat turn holding a standard-library module's source, cut to --context tokens;
-the server runs in this process (uvicorn in a thread, the same LLM object), with its defaults
-(paged KV, prefix cache on, batch-aware k) unless --no-paged / --no-prefix-cache say otherwise.
-Greedy, --max-tokens new tokens; the library's figures come from its stats (prefill_time,
-decode_time), the server's from the stream (TTFT, then the rest of the tokens over the rest of
-the time).
+The prompt is a chat turn holding a standard-library module's source, cut to --context tokens.
+The server is `forerun serve` in a process of its own (as users run it; one process per side,
+so neither side's OpenMP pool slows the other's: serve/one_pool.py), with its defaults (paged
+KV, prefix cache on, batch-aware k) unless --no-paged / --no-prefix-cache say otherwise; its
+prefix cache is reset before each of its rounds. Greedy, --max-tokens new tokens; the
+library's figures come from its stats (prefill_time, decode_time), the server's from the
+stream (TTFT, then the rest of the tokens over the rest of the time).
 """
 import argparse
 import difflib
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import httpx
 
-from forerun.bench.launch import serve_in_thread
+from forerun.bench.launch import Launched, free_port
 from forerun.bench.sessions import stream_chat
 from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.llm import LLM
-from forerun.serve.main import build_server
-from forerun.serve.scheduler import ServeConfig
 
 
 def prompt_messages(llm: LLM, context: int) -> list[dict]:
@@ -42,6 +42,7 @@ def via_llm(llm: LLM, messages, params, spec) -> dict:
 
 def via_server(url: str, messages, max_tokens: int) -> dict:
     with httpx.Client(base_url=url, timeout=3600) as client:
+        client.post("/reset_prefix_cache").raise_for_status()  # each round cold: the prompt is the same
         t = stream_chat(client, messages, max_tokens)
     return {"ttft_s": t.ttft, "decode_tok_s": t.decode_tok_s, "tokens": t.tokens, "cached": t.cached_tokens, "text": t.text}
 
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-paged", action="store_true")
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--log", default="serve_vs_llm.log", help="the server's output")
     args = ap.parse_args()
     spec = None
     if args.draft_model:
@@ -65,21 +67,21 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, speculative=spec, progress=False, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     messages = prompt_messages(llm, args.context)
-    cfg = ServeConfig(max_batch=4, max_len=args.context + args.max_tokens + 64, paged=not args.no_paged,
-                      prefix_cache=False if args.no_prefix_cache else None)
-    app = build_server(llm, spec, cfg, default_max_tokens=args.max_tokens)
-    server, url = serve_in_thread(app)
+    port = free_port()
+    argv = [sys.executable, "-m", "forerun.cli", "serve", "--model", args.model, "--dtype", args.dtype, "--port", str(port),
+            "--max-batch", "4", "--max-len", str(args.context + args.max_tokens + 64),
+            "--max-new-tokens", str(args.max_tokens), *(["--no-paged"] if args.no_paged else []),
+            *(["--no-prefix-cache"] if args.no_prefix_cache else []), "--method", "none"]
+    if spec is not None:
+        argv += ["--method", "draft_model", "--draft-model", args.draft_model, "--draft-dtype", "int4", "--k", str(args.k),
+                 "--draft-lookup", "1"]
     rows = {"llm": [], "serve": []}
-    try:
+    with Launched(argv, port, Path(args.log)) as url:
         for r in range(args.rounds):
             for side in ("llm", "serve")[:: 1 if r % 2 == 0 else -1]:
-                if side == "serve":
-                    app.state.scheduler.reset_prefix_cache()  # each round cold: the prompt is the same
                 got = via_llm(llm, messages, params, spec) if side == "llm" else via_server(url, messages, args.max_tokens)
                 rows[side].append(got)
                 print(json.dumps({"round": r, "side": side, **{k: v for k, v in got.items() if k != "text"}}), flush=True)
-    finally:
-        server.should_exit = True
     same = all(a["text"] == b["text"] for a, b in zip(rows["llm"], rows["serve"]))
     for side, got in rows.items():
         print(f"{side:5s}: decode {statistics.median(g['decode_tok_s'] for g in got):6.2f} tok/s, "
