@@ -145,7 +145,7 @@ def configs(args):
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_new_tokens, seed=args.seed,
+        seed=args.seed, **({"max_tokens": args.max_new_tokens} if args.max_new_tokens is not None else {}),
     )
     method = None if args.method in ("none", "plain") else args.method
     if method is not None and args.k == 0:  # ("auto" is not 0)

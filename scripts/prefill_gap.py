@@ -1,12 +1,14 @@
 """How long a running stream waits between tokens while a long prompt arrives: chunked prefill
-(`--prefill-chunk`) against whole prompts at admission, one server in this process each.
+(`--prefill-chunk`, `--prefill-chunk-seconds`) against whole prompts at admission, one server in
+this process each.
 
-    python scripts/prefill_gap.py --model qwen2.5-coder-1.5b --tokens 1024 --chunks 0,128
+    python scripts/prefill_gap.py --model qwen2.5-coder-1.5b --tokens 6144 --chunks 0,128,128:0.5
 
 Stream A (a short prompt, --max-tokens new tokens, greedy) starts; once it has streamed 8 tokens
 a newcomer B with a --tokens-token prompt (a standard-library module's source) is sent. Prints A's
-gaps between streamed chunks: the median, the 99th percentile and the largest, per chunk size
-(0: whole prompts).
+gaps between streamed chunks: the median, the 99th percentile and the largest, per setting: N
+(chunks of N tokens; 0: whole prompts) or N:S (chunks sized to take about S seconds, at most N
+tokens). The model is built off a thread that exits (serve/one_pool.py), as `forerun serve` does.
 """
 import argparse
 import difflib
@@ -22,6 +24,7 @@ from forerun.bench.launch import serve_in_thread
 from forerun.bench.loadgen import percentile
 from forerun.llm import LLM
 from forerun.serve.main import build_server
+from forerun.serve.one_pool import built_off_thread
 from forerun.serve.scheduler import ServeConfig
 
 
@@ -48,21 +51,25 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", default="gguf")
     ap.add_argument("--tokens", type=int, default=1024, help="the newcomer's prompt tokens")
-    ap.add_argument("--chunks", default="0,128", help="comma-separated --prefill-chunk values (0: whole prompts)")
+    ap.add_argument("--chunks", default="0,128,128:0.5",
+                    help="comma-separated settings: N (--prefill-chunk N, --prefill-chunk-seconds 0; 0: whole prompts) "
+                         "or N:S (--prefill-chunk N --prefill-chunk-seconds S)")
     ap.add_argument("--max-tokens", type=int, default=160, help="stream A's new tokens")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, progress=False, enable_prefix_caching=False)
+    llm = built_off_thread(lambda: LLM(args.model, dtype=args.dtype, progress=False, enable_prefix_caching=False))
     ids = llm.tokenizer.encode(Path(difflib.__file__).read_text())[: args.tokens]
     newcomer = llm.decode(ids)
-    for chunk in [int(c) for c in args.chunks.split(",")]:
-        cfg = ServeConfig(max_batch=2, max_len=args.tokens + 256, prefill_chunk=chunk or None, prefix_cache=False)
+    for setting in args.chunks.split(","):
+        chunk, _, seconds = setting.partition(":")
+        cfg = ServeConfig(max_batch=2, max_len=args.tokens + 256, prefill_chunk=int(chunk) or None,
+                          prefill_chunk_seconds=float(seconds) if seconds else None, prefix_cache=False)
         server, url = serve_in_thread(build_server(llm, None, cfg, default_max_tokens=args.max_tokens))
         try:
             gaps = gaps_under_newcomer(url, newcomer, args.max_tokens)
         finally:
             server.should_exit = True
             time.sleep(1)
-        print(f"--prefill-chunk {chunk}: stream A's gaps median {statistics.median(gaps):.3f} s, "
+        print(f"{setting}: stream A's gaps median {statistics.median(gaps):.3f} s, "
               f"p99 {percentile(gaps, 0.99):.2f} s, max {max(gaps):.2f} s ({len(gaps)} gaps, newcomer {len(ids)} tokens)",
               flush=True)
 

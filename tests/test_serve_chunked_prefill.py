@@ -59,3 +59,26 @@ def test_running_streams_keep_stepping_while_a_newcomer_prefills():
         assert late_done.wait(60) and first_done.wait(60)
         wait_idle(sched)
         assert late["ev"].stats.prefill_chunks >= 2 and len(steps_during) >= 2
+
+
+def test_chunks_are_sized_by_time_while_streams_run():
+    """prefill_chunk_seconds: with another stream running, a chunk computes what the measured rate
+    does in that time (at least MIN_CHUNK tokens); with nobody waiting, whole prefill_chunk chunks.
+    A measured rate far too slow for 64 tokens in the time given makes every chunk MIN_CHUNK."""
+    from forerun.serve.scheduler import MIN_CHUNK
+
+    with tiny_server("int8", k=0, prefill_chunk=64, prefill_chunk_seconds=1e-6, prefix_cache=False) as s, \
+            tiny_server("int8", k=0, prefill_chunk=None, prefix_cache=False) as whole:
+        sched = s.scheduler
+        alone_done, alone = run(sched, LONG)  # nobody waits: chunks of 64
+        assert alone_done.wait(60)
+        assert alone["ev"].stats.prefill_chunks == -(-(len(LONG) - 1) // 64)
+        assert sched.prefill_rate is not None  # measured on those chunks
+        first_done, _ = run(sched, [5, 6, 7], max_new=200)
+        while not sched.running:
+            pass
+        late_done, late = run(sched, LONG[::-1])
+        ref_done, ref = run(whole.scheduler, LONG[::-1])
+        assert late_done.wait(60) and ref_done.wait(60) and first_done.wait(60)
+        assert late["ev"].stats.prefill_chunks == -(-(len(LONG) - 1) // MIN_CHUNK)
+        assert late["ev"].token_ids == ref["ev"].token_ids

@@ -1,14 +1,15 @@
 """KV memory in fixed-size blocks: an allocator and one block table per sequence.
 
 The scheduler admits a sequence only when blocks for its prompt are free, grows its table
-before every step to cover the tokens that step may write (pending + draft), and returns
-every block when the sequence leaves (finished, failed or cancelled). `BlockAllocator.used`
-is what the leak tests and /metrics read.
+before every step to cover the tokens that step may write (pending + draft), preempts the
+newest sequence when the pool is out, and returns every block when a sequence leaves
+(finished, failed, cancelled or preempted). `BlockAllocator.used` is what the leak tests and
+/metrics read.
 
-What the blocks are backed by: the engine's cache stays position-indexed rows (the int8 and
-float32 kernels read a row's slots directly), so block j of the sequence in row r is slots
-[j * block_size, (j + 1) * block_size) of row r. The tables are the accounting and the
-admission rule, not yet an indirection of the attention reads.
+What the blocks are backed by: with the paged cache (kv/paged.py, the server's default) block
+b is block b of the K/V pool, and the kernels read a row's slots through its table; with
+rows (`--no-paged`) the tables are accounting only, and block j of the sequence in row r is
+slots [j * block_size, (j + 1) * block_size) of row r.
 >>> pool = BlockAllocator(num_blocks=4, block_size=16)
 >>> t = BlockTable(pool)
 >>> t.ensure(17), t.blocks, pool.free

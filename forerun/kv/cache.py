@@ -55,6 +55,28 @@ class ForwardBatch:
         return (keys[None, None, :] <= self.slots[:, :, None])[:, None]
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros whose memory the OS commits as it is first written (on the CPU): numpy's zeros come
+    from calloc, which for large blocks maps fresh zero pages instead of writing them, where
+    torch.zeros writes every byte at once. So a cache sized for a long context costs only the
+    slots sequences have reached. 64-byte aligned, as torch's own allocations, and a tensor of
+    its own (not a view: autograd may write into it, as training does). Elsewhere (an
+    accelerator) torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    n = 1
+    for d in shape:
+        n *= d
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(n * item + 64, dtype=np.uint8)
+    skip = -raw.ctypes.data % 64  # bytes to the first 64-byte boundary (a multiple of 16: of item too)
+    out = torch.empty(0, dtype=dtype)
+    # (the storage keeps the numpy buffer alive)
+    return out.set_(torch.from_numpy(raw).untyped_storage(), skip // item, tuple(shape))
+
+
 def widened(t: torch.Tensor) -> torch.Tensor:
     """A float16 cache's keys or values as the float32 attention computes with (exact: every
     float16 is a float32); any other dtype as it is (no copy)."""
@@ -92,10 +114,12 @@ class KVCache:
 
     def __init__(self, num_layers, rows, num_kv_heads, capacity, head_dim, dtype, device):
         shape = (rows, num_kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]  # (memory taken as slots are written)
+        self.v = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.lengths = [0] * rows  # host-side: slots [0, length) hold committed tokens
         self.capacity = capacity
+
+    tables = None  # (a paged cache's block tables: none, the kernels read rows)
 
     @property
     def num_rows(self) -> int:
@@ -105,6 +129,11 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         """The keys' and values' dtype."""
         return self.k[0].dtype
+
+    @property
+    def pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The K and V tensors per layer as the kernels read them: [rows, H_kv, capacity, D]."""
+        return self.k, self.v
 
     @staticmethod
     def _rows_index(batch: ForwardBatch):

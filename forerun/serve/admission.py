@@ -25,7 +25,7 @@ class ApiError(Exception):
 class Limits:
     model_names: tuple[str, ...]  # what `model` may say (None / absent = the served model)
     max_len: int  # prompt + generated tokens
-    default_max_tokens: int
+    default_max_tokens: int | None  # a request's max_tokens when it names none; None: the rest of the context
     method: str | None  # the server's drafter, None = speculation off server-wide
     k_max: int
 
@@ -73,7 +73,8 @@ def build_request(llm, body: Sampling, prompt, max_tokens: int | None, limits: L
     if room < 1:
         raise ApiError(400, f"prompt is {len(ids)} tokens; this server's context is {limits.max_len} tokens",
                        code="context_length_exceeded", param="prompt")
-    wanted = max_tokens if max_tokens is not None else min(limits.default_max_tokens, room)
+    default = room if limits.default_max_tokens is None else min(limits.default_max_tokens, room)
+    wanted = max_tokens if max_tokens is not None else default  # (None: the rest of the context, as vLLM)
     if wanted > room:
         raise ApiError(400, f"max_tokens {wanted} + prompt {len(ids)} tokens exceeds this server's context of {limits.max_len}",
                        code="context_length_exceeded", param="max_tokens")

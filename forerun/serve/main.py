@@ -8,23 +8,24 @@ from forerun.config import SpeculativeConfig
 from forerun.errors import ForerunError
 from forerun.serve.admission import Limits
 from forerun.serve.auth import ApiKeys
+from forerun.serve.one_pool import built_off_thread
 from forerun.serve.scheduler import Scheduler, ServeConfig
 
 
 def build_server(llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeConfig(),
-                 default_max_tokens: int = 128, names: tuple[str, ...] = (), keys: ApiKeys = ApiKeys()):
+                 default_max_tokens: int | None = 128, names: tuple[str, ...] = (), keys: ApiKeys = ApiKeys()):
     """The FastAPI app for `llm` (its scheduler starts with the app's lifespan); with `keys`,
-    the /v1 routes need one of them (serve/auth.py)."""
+    the /v1 routes need one of them (serve/auth.py). default_max_tokens: a request's when it
+    names none (None: the rest of the context, `forerun serve`'s default)."""
     from forerun.serve.app import build_app
     from forerun.serve.metrics import ServeMetrics
 
     if spec is not None and spec.adaptive:  # the server picks k per batch itself (batch_k)
         spec = SpeculativeConfig(**{**spec.__dict__, "num_speculative_tokens": spec.k_max, "options": {}})
-    cfg = ServeConfig(**{**cfg.__dict__, "max_len": min(cfg.max_len, llm.max_context)})
     metrics = ServeMetrics()
     sched = Scheduler(llm, spec, cfg, metrics)
     names = tuple(dict.fromkeys(names or (llm.name,)))  # the first is the id responses carry
-    limits = Limits(names, cfg.max_len, default_max_tokens, sched.spec.method if sched.spec else None, sched.k_max)
+    limits = Limits(names, sched.max_len, default_max_tokens, sched.spec.method if sched.spec else None, sched.k_max)
     return build_app(llm, sched, limits, metrics, keys)
 
 
@@ -36,12 +37,15 @@ def cmd_serve(args) -> int:
 
     _, spec = configs(args)
     sock = reserve_port(args.host, args.port)  # a port in use fails now, not after the model loads
-    llm = load_llm(args, spec, prefix_cache=None)
-    app = server_from_args(args, llm, spec)
-    st = app.state
+    app = built_off_thread(lambda: server_from_args(args, load_llm(args, spec, prefix_cache=None), spec))
+    st, llm = app.state, app.state.llm
+    sch = st.scheduler
     print(f"forerun serve: {st.limits.model_names[0]} ({llm.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
-          f"{args.max_batch} rows x {st.limits.max_len} tokens, {st.scheduler.blocks.num_blocks} KV blocks of {args.block_size}, "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+          f"{args.max_batch} rows, up to {st.limits.max_len} tokens a request, http://{args.host}:{args.port}/v1", file=sys.stderr)
+    pool_gb = sch.blocks.num_blocks * sch.block_bytes / 2**30
+    print(f"forerun serve: KV pool {pool_gb:.2f} GiB ({'--num-blocks' if args.num_blocks else f'--kv-cache-gb {args.kv_cache_gb:g}'}"
+          f"): {sch.blocks.num_blocks} blocks of {args.block_size} tokens = {sch.blocks.num_blocks * args.block_size} tokens "
+          f"({llm.model.kv_dtype}), taken as used; when they run out the newest request waits and resumes", file=sys.stderr)
     print(f"forerun serve: {line_for(llm, args.model)}", file=sys.stderr)
     if st.keys.enabled:
         print(f"forerun serve: /v1 needs one of {len(st.keys.digests)} API key(s); each key is a tenant", file=sys.stderr)
@@ -53,9 +57,10 @@ def server_from_args(args, llm, spec: SpeculativeConfig):
     """`build_server` for `llm` as `forerun serve`'s flags say (`spec` from cli_args.configs); each
     replica of `python -m forerun.serve.ray_app` builds its app with it too."""
     cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
-                      num_blocks=args.num_blocks, paged=not args.no_paged, max_queue=args.max_queue,
+                      num_blocks=args.num_blocks, kv_cache_gb=args.kv_cache_gb, paged=not args.no_paged, max_queue=args.max_queue,
                       batch_aware=not args.no_batch_aware, prefix_cache=False if args.no_prefix_cache else None,
-                      prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None)
+                      prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None,
+                      prefill_chunk_seconds=args.prefill_chunk_seconds or None)
     names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
     keys = ApiKeys.of(args.api_key or (), args.api_key_file or ())
     return build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names, keys)

@@ -28,6 +28,7 @@ class ServeMetrics:
         self.batch_size = Gauge("forerun_batch_size", "Sequences in the last step", registry=r)
         self.kv_blocks_used = Gauge("forerun_kv_blocks_used", "KV blocks held by running sequences", registry=r)
         self.kv_blocks_total = Gauge("forerun_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.preemptions = Counter("forerun_preemptions", "Sequences that gave their KV blocks back to wait for room", registry=r)
         self.acceptance_rate = Gauge("forerun_acceptance_rate", "accepted / drafted since start", registry=r)
         self.mean_accepted_length = Gauge("forerun_mean_accepted_length", "Tokens per row per step since start (tau)", registry=r)
         self.step_time = Histogram("forerun_step_seconds", "Wall time of one scheduler step", buckets=STEP_BUCKETS, registry=r)
@@ -55,6 +56,9 @@ class ServeMetrics:
         d = self.drafted._value.get()
         self.acceptance_rate.set(self.accepted._value.get() / d if d else 0.0)
         self.mean_accepted_length.set(self._emitted / self._row_steps)
+
+    def on_preempt(self) -> None:
+        self.preemptions.inc()
 
     def on_finish(self, live, last) -> None:
         outcome = "error" if last.error else last.finish_reason or "unknown"

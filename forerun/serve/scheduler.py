@@ -4,7 +4,15 @@ into free cache rows, steps every running row together, and lets rows leave as t
     submit() ─► waiting (bounded) ──admit: free row + blocks──► prefilling ─► running
     prefilling ──one chunk of at most prefill_chunk tokens between two steps──► ... ─► running
     running ──step (engine.step per sampling group)──► tokens to each request's sink
+    running ──the pool has no block for an older row's next token──► preempted: back at the
+        head of waiting, its tokens kept; on return its K/V are read from the prefix cache or
+        computed again (the same bits: prefill is batch-invariant), and it goes on exactly
     finished / failed / cancelled ─► row, blocks and drafter state released at once
+
+KV memory: the block pool is sized from a budget (kv_cache_gb) and taken as blocks are first
+written (kv/cache.py's lazy_zeros); a request holds the blocks its tokens fill, not its whole
+max_tokens, so requests that may each run to the whole context share the pool, and when it
+runs out the newest one waits (vLLM's recompute preemption) instead of being refused.
 
 Each running request is an `engine.Sequence` in its own cache row; rows keep the engine's
 invariant cache.lengths[row] == len(tokens) - 1, so a row that joins mid-flight is exactly
@@ -51,9 +59,10 @@ class TooLarge(ForerunError):
 @dataclass(frozen=True)
 class ServeConfig:
     max_batch: int = 8  # cache rows: sequences decoded together
-    max_len: int = 2048  # prompt + generated tokens per sequence
+    max_len: int | None = None  # prompt + generated tokens per sequence; None: the model's context (or what the pool holds)
     block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # None: enough for every row at max_len
+    num_blocks: int | None = None  # None: what kv_cache_gb holds (at most every row at max_len)
+    kv_cache_gb: float = 4.0  # the block pool's memory budget (taken as used)
     paged: bool = True  # K/V stored in the blocks (kv/paged.py), else in rows of max_len slots
     max_queue: int = 64  # waiting requests beyond which submit() raises QueueFull
     batch_aware: bool = True  # pick k (0 included) per batch size from measured throughput
@@ -61,15 +70,26 @@ class ServeConfig:
     # (a hit never changes a token there), off elsewhere; True / False as asked.
     prefix_cache: bool | None = None
     prefix_cache_gb: float = 1.0  # memory the cached blocks may hold
-    # Prompt tokens computed between two decoding steps (all newcomers together); None: whole
-    # prompts at admission. ~128 tokens of the 1.5B at gguf take a decoding step's order of time.
+    # Prompt tokens computed between two decoding steps (all newcomers together), at most; None:
+    # whole prompts at admission.
     prefill_chunk: int | None = 128
+    # While other streams run, a chunk is sized by the prefill rate measured on this machine to take
+    # about this long (at least MIN_CHUNK tokens); None: always prefill_chunk tokens. (128 tokens of
+    # the 1.5B at gguf take ~0.3 s with AVX512, ~3.5 s on a 2-core AVX2 CPU: a stream's gap.)
+    prefill_chunk_seconds: float | None = 0.5
 
     def __post_init__(self):
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1 token (None, or --prefill-chunk 0: whole prompts), got {self.prefill_chunk}")
+        if self.prefill_chunk_seconds is not None and not self.prefill_chunk_seconds > 0:
+            raise ConfigError(f"prefill_chunk_seconds must be > 0 (None, or --prefill-chunk-seconds 0: fixed chunks), "
+                              f"got {self.prefill_chunk_seconds}")
         if not self.prefix_cache_gb > 0:
             raise ConfigError(f"prefix_cache_gb must be > 0, got {self.prefix_cache_gb}")
+        if not self.kv_cache_gb > 0:
+            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_len is not None and self.max_len < 2:
+            raise ConfigError(f"max_len must be >= 2 tokens, got {self.max_len}")
 
 
 class Scheduler:
@@ -80,9 +100,10 @@ class Scheduler:
         self.forced_drafts = bool(self.spec.options.get("grammar_drafts", True)) if self.spec else True
         self.drafter = llm.drafter_for(self.spec) if self.spec else None
         nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(self.k_max) if self.drafter else 0
-        self.capacity = cfg.max_len + nodes + 1
-        per_row = -(-self.capacity // cfg.block_size)
-        self.blocks = BlockAllocator(cfg.num_blocks or cfg.max_batch * per_row, cfg.block_size)
+        self.block_bytes = kv_bytes_per_token(self.model) * cfg.block_size
+        self.max_len, num_blocks = pool_plan(cfg, llm.max_context, nodes, self.block_bytes)
+        self.capacity = self.max_len + nodes + 1
+        self.blocks = BlockAllocator(num_blocks, cfg.block_size)
         if cfg.paged:
             self.cache = PagedKVCache(self.model, cfg.max_batch, self.capacity, self.blocks.num_blocks, cfg.block_size)
         else:  # position-indexed rows of max_len slots; the blocks are then accounting only
@@ -98,6 +119,9 @@ class Scheduler:
         self.running: dict[int, Live] = {}  # row -> live sequence
         self.prefilling: dict[int, Prefill] = {}  # row -> a newcomer whose prompt is being computed
         self.generator = make_generator(None, self.model.device)  # unseeded sampling
+        self.admitted = 0  # admissions so far: each Live's `order` (the newest is preempted first)
+        self.prefill_rate: float | None = None  # prompt tokens a second, measured on the chunks (moving average)
+        self.preemptions = 0
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="forerun-engine", daemon=True)
@@ -139,9 +163,9 @@ class Scheduler:
             self._cv.notify()
 
     def blocks_needed(self, req: ServeRequest) -> int:
-        """The most blocks `req` can hold: prompt + max_new tokens + its largest draft. A request
-        is admitted only when that fits beside what running ones may still grow to, so no
-        sequence ever runs out of blocks mid-generation (no preemption needed)."""
+        """The most blocks `req` can hold: prompt + max_new tokens + its largest draft. More than
+        the pool has: the request could never finish (TooLarge). Admission asks only for the
+        prompt's blocks; a sequence grows a block at a time and preemption makes room."""
         nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(req.k) if self.drafter and req.k else 0
         return self.blocks.blocks_for(len(req.prompt) + req.max_new + nodes)
 
@@ -173,17 +197,22 @@ class Scheduler:
 
     @torch.inference_mode()
     def _admit(self) -> None:
+        """Rows for the waiting requests, oldest (and preempted ones) first, while the pool has
+        blocks for the tokens each brings (a preempted one brings what it had generated too)
+        and a block to spare for each admitted sequence's next step."""
         new: list[Live] = []
         while self.free_rows and self.waiting:
             with self._cv:
-                req = self.waiting[0]
-                growth = sum(self.blocks_needed(lv.req) - len(lv.table.blocks) for lv in self._holding())
-                growth += sum(self.blocks_needed(lv.req) - len(lv.table.blocks) for lv in new)
-                table = BlockTable(self.blocks)
-                if self.blocks.free - growth < self.blocks_needed(req) or not table.ensure(len(req.prompt) + 1):
+                item = self.waiting[0]
+                tokens = len(item.seq.tokens) if isinstance(item, Live) else len(item.prompt) + 1
+                spare = len(self._holding()) + len(new)
+                if self.blocks.free - spare < self.blocks.blocks_for(tokens):
                     break  # FIFO: wait until running sequences return blocks
+                table = BlockTable(self.blocks)
+                table.ensure(tokens)
                 self.waiting.popleft()
-            new.append(self._make_live(req, self.free_rows.pop(), table))
+            row = self.free_rows.pop()
+            new.append(self._resume(item, row, table) if isinstance(item, Live) else self._make_live(item, row, table))
         for lv in new:
             self.prefilling[lv.seq.row] = Prefill(lv, self._restore(lv))
 
@@ -199,7 +228,10 @@ class Scheduler:
         if not self.prefilling:
             return
         t0 = time.perf_counter()
-        budget = self.cfg.prefill_chunk or sum(p.left for p in self.prefilling.values())
+        left = sum(p.left for p in self.prefilling.values())
+        cfg = self.cfg
+        budget = left if cfg.prefill_chunk is None else chunk_tokens(
+            cfg.prefill_chunk, cfg.prefill_chunk_seconds if self.running else None, self.prefill_rate)
         writes = []
         for p in self.prefilling.values():
             n = min(p.left, budget)
@@ -210,6 +242,10 @@ class Scheduler:
         engine.write_known(self.model, self.cache, [PrefixWrite(p.live.seq.row, p.done, p.live.seq.tokens[p.done : p.done + n])
                                                     for p, n in writes], self.drafter)
         dt = time.perf_counter() - t0
+        done = sum(n for _, n in writes)
+        if done >= MIN_CHUNK and dt > 0:
+            rate = done / dt
+            self.prefill_rate = rate if self.prefill_rate is None else 0.5 * (self.prefill_rate + rate)
         for p, n in writes:
             p.done += n
             p.live.seq.stats.prefill_chunks += 1
@@ -235,8 +271,48 @@ class Scheduler:
         self.sync_table(row, table.blocks)
         emit = lambda _i, text: req.sink(Event(text=text, completion_tokens=len(seq.generated), logprobs=_new_logprobs(live)))  # noqa: E731
         stream = TextStream(self.llm.decode, req.params.stop, emit)
-        live = Live(req, seq, table, stream, time.perf_counter(), piece=self.llm.token_text)
+        live = Live(req, seq, table, stream, time.perf_counter(), piece=self.llm.token_text, order=self.admitted)
+        self.admitted += 1
         return live
+
+    def _resume(self, lv: Live, row: int, table: BlockTable) -> Live:
+        """A preempted sequence back in a row (maybe another): its tokens, grammar and penalty
+        state, generator and stream as it left them; its K/V to be read or computed again."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(row)
+        lv.seq.row, lv.table = row, table
+        self.sync_table(row, table.blocks)
+        return lv
+
+    def preempt_newest(self, needy: Live) -> bool:
+        """Make room for `needy`'s next token: preempt the newest admitted sequence (a prefilling
+        one, or a running one; `needy` itself when it is the newest). False when nothing else
+        holds blocks (the pool cannot hold even `needy`)."""
+        holding = self._holding()
+        if len(holding) < 2:
+            return False
+        self._preempt(max(holding, key=lambda lv: lv.order))
+        return True
+
+    def _preempt(self, lv: Live) -> None:
+        """Give back lv's row and blocks and put it at the head of the queue, its blocks first
+        stored in the prefix cache (where on) so that its return reads them back."""
+        row = lv.seq.row
+        if self.prefix is not None and row in self.running:
+            with self._prefix_lock:
+                self.prefix.store(lv.seq.tokens, self.cache, row, self.cache.lengths[row], lv.req.cache_salt)
+        self.running.pop(row, None)
+        self.prefilling.pop(row, None)
+        lv.table.release()
+        self.sync_table(row, [])
+        self.free_rows.append(row)
+        lv.preempted += 1
+        self.preemptions += 1
+        with self._cv:
+            self.waiting.appendleft(lv)
+        if self.metrics:
+            self.metrics.on_preempt()
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -265,7 +341,8 @@ class Scheduler:
             return 0
         with self._prefix_lock:
             n = self.prefix.read(lv.seq.tokens, self.cache, lv.seq.row, lv.req.cache_salt)
-        lv.seq.stats.cached_tokens = n
+        if not lv.preempted:  # (the prompt's cached tokens, as usage reports them)
+            lv.seq.stats.cached_tokens = n
         return n
 
     def _keep(self, lv: Live) -> None:
@@ -301,11 +378,11 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         with self._cv:
-            gone = [r for r in self.waiting if r.cancelled.is_set()]
+            gone = [r for r in self.waiting if _request(r).cancelled.is_set()]
             for r in gone:
                 self.waiting.remove(r)
         for r in gone:
-            r.sink(Event(finish_reason="cancelled"))
+            _request(r).sink(_last(r, Event(finish_reason="cancelled")))
         for lv in [lv for lv in self._holding() if lv.req.cancelled.is_set()]:
             self._finish(lv, Event(finish_reason="cancelled"))
 
@@ -315,7 +392,7 @@ class Scheduler:
         with self._cv:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for r in waiting:
-            r.sink(Event(error=message))
+            _request(r).sink(_last(r, Event(error=message)))
 
 
 @dataclass
@@ -329,6 +406,68 @@ class Prefill:
     def left(self) -> int:
         """Tokens still to compute: every prompt token but the last (the first step feeds it)."""
         return len(self.live.seq.tokens) - 1 - self.done
+
+
+MIN_CHUNK = 16  # tokens: a chunk sized by time computes at least this many
+
+
+def chunk_tokens(cap: int, seconds: float | None, rate: float | None) -> int:
+    """Prompt tokens for the next chunk: what `rate` (tokens a second, measured) computes in
+    `seconds`, between MIN_CHUNK and `cap`; `cap` where there is no time to keep (nobody waits:
+    seconds None) and MIN_CHUNK before the first measurement.
+    >>> chunk_tokens(128, 0.5, 36.0), chunk_tokens(128, 0.5, 900.0), chunk_tokens(128, None, 36.0), chunk_tokens(128, 0.5, None)
+    (18, 128, 128, 16)
+    """
+    if seconds is None:
+        return cap
+    if rate is None:
+        return min(MIN_CHUNK, cap)
+    return max(min(MIN_CHUNK, cap), min(cap, int(rate * seconds)))
+
+
+def _request(item: ServeRequest | Live) -> ServeRequest:
+    """A waiting entry's request (a preempted sequence waits as its Live)."""
+    return item.req if isinstance(item, Live) else item
+
+
+def _last(item: ServeRequest | Live, last: Event) -> Event:
+    """The last event of a waiting entry: a preempted sequence's carries what it generated."""
+    if isinstance(item, Live):
+        last.completion_tokens, last.stats, last.token_ids = len(item.seq.generated), item.seq.stats, item.seq.generated
+    return last
+
+
+def kv_bytes_per_token(model) -> int:
+    """The verifier's K and V bytes for one token, every layer."""
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=model.kv_dtype).element_size()
+
+
+def pool_plan(cfg: ServeConfig, context: int, nodes: int, block_bytes: int) -> tuple[int, int]:
+    """(max_len, blocks in the pool). max_len: cfg's, else the model's context, else (a budget
+    that holds less) what the pool holds; blocks: cfg.num_blocks, else what kv_cache_gb holds, at
+    most every row at max_len. One sequence of max_len must fit the pool (alone, every request
+    can finish, so preemption always makes progress): where it does not, a max_len asked for is
+    a ConfigError, a defaulted one is lowered to fit."""
+    bs = cfg.block_size
+    max_len = min(cfg.max_len or context, context)
+    if cfg.num_blocks is not None:
+        num_blocks = cfg.num_blocks
+    else:
+        rows_worth = cfg.max_batch * -(-(max_len + nodes + 1) // bs)
+        num_blocks = min(rows_worth, int(cfg.kv_cache_gb * 2**30 // block_bytes))
+    if num_blocks < 1:
+        raise ConfigError(f"kv_cache_gb {cfg.kv_cache_gb} holds no KV block of {block_bytes} bytes; raise it")
+    fits = num_blocks * bs - nodes - 1  # the longest sequence the pool holds
+    if max_len > fits:
+        if cfg.max_len is not None:
+            what = f"num_blocks {cfg.num_blocks}" if cfg.num_blocks is not None else f"kv_cache_gb {cfg.kv_cache_gb}"
+            raise ConfigError(f"max_len {cfg.max_len} does not fit the KV pool: {what} holds {num_blocks} blocks of {bs} "
+                              f"tokens, {max(fits, 0)} tokens a sequence; raise it or lower max_len")
+        max_len = fits
+        if max_len < 2:
+            raise ConfigError(f"the KV pool holds {num_blocks} blocks of {bs} tokens: no room for a sequence; raise kv_cache_gb")
+    return max_len, num_blocks
 
 
 def _new_logprobs(lv: Live) -> list | None:

@@ -29,6 +29,8 @@ class Live:
     generator: torch.Generator | None = None  # seeded sampling only
     logprobs_sent: int = 0  # seq.logprobs already handed to the consumer
     piece: object = None  # token id -> its text (Logprob.decoded_token), when logprobs are kept
+    order: int = 0  # admission order (the newest sequence is preempted first)
+    preempted: int = 0  # times it gave its row and blocks back and waited
 
 
 @dataclass
@@ -79,22 +81,28 @@ def step_all(sched, lives: list[Live]) -> tuple[int, int, int | None]:
 
 def _plan_k(sched, lives: list[Live]) -> tuple[dict[int, int], int]:
     """k per row for this step (and the batch's cap), with KV blocks reserved for what the
-    step may write; a row whose next token finds no block fails (and leaves), one without
-    room to draft drafts 0."""
+    step may write (its next token and its draft), oldest row first: a row short of blocks has
+    the newest sequence preempted (itself, when it is the newest) until they are free; only a
+    row alone in a pool too small for it fails."""
     k_cap = max((lv.req.k for lv in lives), default=0) if sched.drafter is not None else 0
     if k_cap and sched.batch_k is not None:
         k_cap = min(k_cap, sched.batch_k.choose(len(lives), **switch_terms(sched.drafter, lives)))
     nodes = getattr(sched.drafter, "max_draft_nodes", lambda k: k)
     ks = {}
-    for lv in lives:
+    for lv in sorted(lives, key=lambda lv: lv.order):
+        if sched.running.get(lv.seq.row) is not lv:  # preempted for an older row this step
+            continue
         k = min(lv.req.k, k_cap)
-        n = len(lv.seq.tokens)
+        need = len(lv.seq.tokens) + (nodes(k) if k else 0)
         held = len(lv.table.blocks)
-        if not lv.table.ensure(n + (nodes(k) if k else 0)):
-            k = 0
-            if not lv.table.ensure(n):
-                sched._finish(lv, Event(error="KV cache blocks exhausted"))
-                continue
+        # (room for the draft too: drafting 0 instead would change the draws of a seeded row)
+        while not lv.table.ensure(need) and sched.preempt_newest(lv) and sched.running.get(lv.seq.row) is lv:
+            pass
+        if sched.running.get(lv.seq.row) is not lv:
+            continue  # it was the newest: it waits
+        if len(lv.table.blocks) < sched.blocks.blocks_for(need):
+            sched._finish(lv, Event(error="KV cache blocks exhausted"))
+            continue
         if len(lv.table.blocks) != held:
             sched.sync_table(lv.seq.row, lv.table.blocks)
         ks[lv.seq.row] = k
