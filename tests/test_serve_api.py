@@ -78,7 +78,6 @@ BAD = [
     ({"prompt": "x" * 300}, 400),  # prompt over the context (256)
     ({"prompt": [1000]}, 400),  # token id outside the vocabulary
     ({"prompt": "x", "n": 17}, 400),
-    ({"prompt": "x", "n": 2, "stream": True}, 400),
     ({"prompt": "x", "seed": -1}, 400),
     ({"prompt": "x", "stop": ["a"] * 9}, 400),
     ({"prompt": ""}, 400),
@@ -190,3 +189,27 @@ def test_n_choices_are_the_seeded_requests_one_by_one(server):
     assert [ch["index"] for ch in many["choices"]] == [0, 1, 2]
     assert [ch["text"] for ch in many["choices"]] == alone and len(set(alone)) > 1
     assert many["usage"]["completion_tokens"] == 30
+
+
+def test_n_choices_stream_interleaved_each_with_its_index(server):
+    """n > 1 streamed: one id, chunks carrying choice indexes 0..n-1 whose texts join to the
+    non-streamed choices, one finish per choice, and the usage chunk counting every choice."""
+    import json
+
+    with server.client() as c:
+        ask = {"model": NAME, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 10, "temperature": 1.0,
+               "seed": 5, "ignore_eos": True, "n": 3}
+        whole = c.post("/v1/chat/completions", json=ask).json()
+        lines = c.post("/v1/chat/completions", json={**ask, "stream": True, "stream_options": {"include_usage": True}}).text
+    chunks = [json.loads(line[6:]) for line in lines.splitlines() if line.startswith("data: {")]
+    texts, finishes = {}, {}
+    for ch in chunks:
+        for choice in ch["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert len({ch["id"] for ch in chunks}) == 1
+    assert texts == {ch["index"]: ch["message"]["content"] for ch in whole["choices"]} and len(set(texts.values())) > 1
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 30
+    assert lines.rstrip().endswith("data: [DONE]")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 
@@ -116,8 +117,6 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
         return JSONResponse(shape.full("", Event(finish_reason="length"), []))
     if grammar is None and body.structured_fields():
         grammar = await loop.run_in_executor(None, compile_structured, st.llm, body)
-    if body.n > 1 and body.stream:
-        raise ApiError(400, "n: more than one choice is served without streaming only (stream: false)", param="n")
     # n choices: n requests decoded side by side (a seeded one's i-th choice draws with seed + i)
     bodies = [body if body.seed is None or not i else body.model_copy(update={"seed": body.seed + i}) for i in range(body.n)]
     queues = [queue] + [asyncio.Queue() for _ in bodies[1:]]
@@ -132,11 +131,12 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
         raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full") from e
     except TooLarge as e:
         raise ApiError(400, str(e), code="context_length_exceeded", param="max_tokens") from e
-    shapes = [Shape(chat, st.limits.model_names[0], len(reqs[0].prompt), echo=echo, logprob_n=n_logprobs,
-                    notes=tuple(n for n in [k_note(body, st.limits)] if n), tools=tools) for _ in reqs]
+    first = Shape(chat, st.limits.model_names[0], len(reqs[0].prompt), echo=echo, logprob_n=n_logprobs,
+                  notes=tuple(n for n in [k_note(body, st.limits)] if n), tools=tools)
+    shapes = [first] + [dataclasses.replace(first, index=i, _text="", _sent=0) for i in range(1, len(reqs))]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(st.scheduler, reqs[0], queue, shapes[0], usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(st.scheduler, reqs, queues, shapes, usage), media_type="text/event-stream")
     if len(reqs) == 1:
         return await _collect(request, st.scheduler, reqs[0], queue, shapes[0])
     replies = await asyncio.gather(*[_collect(request, st.scheduler, r, q, s) for r, q, s in zip(reqs, queues, shapes)])
@@ -179,34 +179,51 @@ def _sink(loop, queue: asyncio.Queue):
     return put
 
 
-async def _stream(scheduler: Scheduler, req: ServeRequest, queue: asyncio.Queue, shape: Shape, usage: bool):
-    """SSE chunks as text becomes final; a client that goes away cancels the request here
-    (Starlette cancels this generator), which frees its row and blocks before the next step."""
-    done, first = False, True
-    try:
-        while not done:
+async def _stream(scheduler: Scheduler, reqs: list[ServeRequest], queues: list[asyncio.Queue], shapes: list[Shape],
+                  usage: bool):
+    """SSE chunks as text becomes final, every choice's as its request yields them (n > 1: the
+    chunks of the choices interleave, each with its index, as OpenAI streams them); a client
+    that goes away cancels the requests here (Starlette cancels this generator), which frees
+    their rows and blocks before the next step."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, queue: asyncio.Queue) -> None:
+        while True:
             ev = await queue.get()
+            await merged.put((i, ev))
+            if ev.finish_reason or ev.error:
+                return
+
+    pumps = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
+    first, lasts, done = [True] * len(reqs), [None] * len(reqs), False
+    try:
+        while None in lasts:
+            i, ev = await merged.get()
             if ev.error:
                 yield sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}})
                 break
-            entries = ev.logprobs  # the tokens generated since the last event: with this event's text
+            shape, entries = shapes[i], ev.logprobs  # the tokens generated since the last event: with its text
             text = shape.streamable(ev.text)
-            if text or (first and (shape.chat or shape.echo is not None)):
-                yield shape.chunk(text, first=first, logprobs=entries)
-                first, entries = False, None
+            if text or (first[i] and (shape.chat or shape.echo is not None)):
+                yield shape.chunk(text, first=first[i], logprobs=entries)
+                first[i], entries = False, None
             if ev.finish_reason:
-                done = True
+                lasts[i] = ev
                 calls, finish = shape.tool_chunks(ev.finish_reason)
                 for c in calls:
                     yield c
                 yield shape.chunk("", finish, logprobs=entries)
-                if usage:
-                    yield shape.usage_chunk(ev)
+        else:
+            if usage:
+                yield shapes[0].usage_chunk(lasts[0], sum(e.completion_tokens for e in lasts))
         yield DONE
         done = True
     finally:
+        for t in pumps:
+            t.cancel()
         if not done:
-            req.cancel()
+            for req in reqs:
+                req.cancel()
             scheduler.wake()
 
 

@@ -36,6 +36,7 @@ class Shape:
     _offset: int = 0  # completions: text_offset of the next streamed token
     notes: tuple[str, ...] = ()  # what the server changed in the request (a clamped k), in the `forerun` field
     tools: bool = False  # chat with tools: calls in the text become message.tool_calls (structured/tools.py)
+    index: int = 0  # the choice this shape writes (n > 1: one shape per choice, one id for all)
     _text: str = ""  # streamed with tools: the text so far
     _sent: int = 0  # ... and how much of it went out as content
 
@@ -76,11 +77,11 @@ class Shape:
                 content, calls = parse_calls(text)
                 if calls:
                     message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             body = self._head("chat.completion")
         else:
             text = (self.echo.text if self.echo is not None else "") + text
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             body = self._head("text_completion")
         body.update(choices=[choice], usage=self.usage(last.completion_tokens, last), forerun=self.forerun(last))
         return body
@@ -90,11 +91,11 @@ class Shape:
         lp = self._logprobs(logprobs, first) if (logprobs or (first and self.echo is not None)) else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")
         else:
             text = (self.echo.text if first and self.echo is not None else "") + text
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
         if finish_reason and self.notes:  # (streamed: the last chunk says it; the usage chunk too)
@@ -122,12 +123,14 @@ class Shape:
             return ([self.chunk(rest)] if rest else []), finish_reason
         deltas = [{"index": i, **call} for i, call in enumerate(calls)]
         body = self._head("chat.completion.chunk")
-        body["choices"] = [{"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}]
+        body["choices"] = [{"index": self.index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}]
         return [sse(body)], "tool_calls"
 
-    def usage_chunk(self, last: Event) -> str:
+    def usage_chunk(self, last: Event, completion_tokens: int | None = None) -> str:
+        """The last chunk's usage; completion_tokens: every choice's together (n > 1)."""
+        tokens = last.completion_tokens if completion_tokens is None else completion_tokens
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body.update(choices=[], usage=self.usage(last.completion_tokens, last), forerun=self.forerun(last))
+        body.update(choices=[], usage=self.usage(tokens, last), forerun=self.forerun(last))
         return sse(body)
 
     def forerun(self, last: Event) -> dict | None:

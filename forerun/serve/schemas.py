@@ -39,7 +39,7 @@ class Sampling(Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1, le=1_000_000)
-    n: int = Field(default=1, ge=1, le=16)  # choices (n requests decoded side by side; not streamed)
+    n: int = Field(default=1, ge=1, le=16)  # choices (n requests decoded side by side, streamed interleaved)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
