@@ -60,6 +60,23 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(server, client):
     assert greedy == [e[t].rank == 1 for e, t in zip(scored[1:], ids[1:])]  # lm-eval's is_greedy reads the top one
 
 
+def test_the_echoed_prompt_is_scored_on_the_engine_thread(server, client, monkeypatch):
+    """The one thread that runs the model (a second thread running torch's parallel work would
+    give OpenMP a second pool and slow every step: serve/one_pool.py)."""
+    import threading
+
+    llm, seen = _llm(server), []
+    score = llm.score_prompt
+
+    def recorded(*args):
+        seen.append(threading.current_thread().name)
+        return score(*args)
+
+    monkeypatch.setattr(llm, "score_prompt", recorded)
+    client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert seen == ["forerun-engine"]
+
+
 def test_chat_logprobs_and_top_logprobs(server, client):
     kw = dict(model=NAME, messages=[{"role": "user", "content": "1212"}], max_tokens=10, temperature=0)
     out = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)

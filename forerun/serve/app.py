@@ -111,7 +111,7 @@ async def _generate(request: Request, body, prompt, max_tokens: int | None, chat
         log.warning("forerun serve: accepted and not used: %s", ", ".join(unused))
     queue: asyncio.Queue[Event] = asyncio.Queue()
     n_logprobs = body.logprob_count() if chat else body.logprobs
-    echo = None if chat else await _echo(st, body, prompt, loop)
+    echo = None if chat else await _echo(st, body, prompt)
     if echo is not None and max_tokens == 0:  # score the prompt only (lm-eval's log-likelihood)
         shape = Shape(chat, st.limits.model_names[0], len(echo.ids), echo=echo, logprob_n=n_logprobs)
         return JSONResponse(shape.full("", Event(finish_reason="length"), []))
@@ -156,9 +156,9 @@ def _merged(replies: list[Response]) -> Response:
     return JSONResponse(out)
 
 
-async def _echo(st, body, prompt, loop) -> Echo | None:
+async def _echo(st, body, prompt) -> Echo | None:
     """A completion's echo: the prompt's text and, with logprobs, its tokens' logprobs (scored
-    off the event loop, beside the engine thread: the model's forward keeps no state)."""
+    on the engine thread between two steps: the one thread running the model, serve/one_pool.py)."""
     if not body.echo:
         return None
     ids = prompt_ids(st.llm, body, prompt, st.limits)
@@ -168,7 +168,7 @@ async def _echo(st, body, prompt, loop) -> Echo | None:
     text = prompt if isinstance(prompt, str) else st.llm.tokenizer.decode(ids, skip_special_tokens=False)
     entries = None
     if body.logprobs is not None:
-        entries = await loop.run_in_executor(None, st.llm.score_prompt, ids, body.logprobs)
+        entries = await asyncio.wrap_future(st.scheduler.run_on_engine(st.llm.score_prompt, ids, body.logprobs))
     return Echo(ids, text, entries, st.llm.token_text)
 
 

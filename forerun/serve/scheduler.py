@@ -27,6 +27,7 @@ every token after them, are the same bits chunked or whole.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ class Scheduler:
         self.prefill_rate: float | None = None  # prompt tokens a second, measured on the chunks (moving average)
         self.preemptions = 0
         self._cv = threading.Condition()
+        self._calls: collections.deque = collections.deque()  # (future, fn, args) for the engine thread
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="forerun-engine", daemon=True)
 
@@ -169,6 +171,33 @@ class Scheduler:
         nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(req.k) if self.drafter and req.k else 0
         return self.blocks.blocks_for(len(req.prompt) + req.max_new + nodes)
 
+    def run_on_engine(self, fn, *args) -> concurrent.futures.Future:
+        """fn(*args) on the engine thread, between two steps; its result (or error) in the future.
+        Model work the HTTP side needs (a completion's echoed prompt scored) goes here, so that the
+        engine thread stays the one thread running torch's parallel work (serve/one_pool.py)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._calls.append((future, fn, args))
+            self._cv.notify()
+        return future
+
+    def _run_calls(self, refuse: str | None = None) -> None:
+        while True:
+            with self._cv:
+                if not self._calls:
+                    return
+                future, fn, args = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            if refuse is not None:
+                future.set_exception(ForerunError(refuse))
+                continue
+            try:
+                with torch.inference_mode():
+                    future.set_result(fn(*args))
+            except Exception as exc:  # the caller's to raise
+                future.set_exception(exc)
+
     def wake(self) -> None:
         with self._cv:
             self._cv.notify()
@@ -181,12 +210,13 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.waiting and not self.running and not self.prefilling:
+                while not self._stop and not self.waiting and not self.running and not self.prefilling and not self._calls:
                     self._cv.wait()
                 if self._stop:
                     break
             try:
                 self._drop_cancelled()
+                self._run_calls()
                 self._admit()
                 self._prefill_chunk()
                 if self.running:
@@ -194,6 +224,7 @@ class Scheduler:
             except Exception as exc:  # an engine bug must not kill the server: fail the batch
                 self._fail_all(f"{type(exc).__name__}: {exc}")
         self._fail_all("server shutting down")
+        self._run_calls(refuse="server shutting down")
 
     @torch.inference_mode()
     def _admit(self) -> None:
