@@ -42,10 +42,12 @@ def cmd_serve(args) -> int:
     sch = st.scheduler
     print(f"forerun serve: {st.limits.model_names[0]} ({llm.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
           f"{args.max_batch} rows, up to {st.limits.max_len} tokens a request, http://{args.host}:{args.port}/v1", file=sys.stderr)
-    pool_gb = sch.blocks.num_blocks * sch.block_bytes / 2**30
-    print(f"forerun serve: KV pool {pool_gb:.2f} GiB ({'--num-blocks' if args.num_blocks else f'--kv-cache-gb {args.kv_cache_gb:g}'}"
-          f"): {sch.blocks.num_blocks} blocks of {args.block_size} tokens = {sch.blocks.num_blocks * args.block_size} tokens "
-          f"({llm.model.kv_dtype}), taken as used; when they run out the newest request waits and resumes", file=sys.stderr)
+    pool_gb, budget = sch.blocks.num_blocks * sch.block_bytes / 2**30, int(args.kv_cache_gb * 2**30 // sch.block_bytes)
+    why = ("--num-blocks" if args.num_blocks else f"--kv-cache-gb {args.kv_cache_gb:g}" if sch.blocks.num_blocks >= budget
+           else f"every row at the longest request, within --kv-cache-gb {args.kv_cache_gb:g}")
+    print(f"forerun serve: KV pool {pool_gb:.2f} GiB ({why}): {sch.blocks.num_blocks} blocks of {args.block_size} tokens = "
+          f"{sch.blocks.num_blocks * args.block_size} tokens ({llm.model.kv_dtype}), taken as used; when they run out the "
+          f"newest request waits and resumes", file=sys.stderr)
     print(f"forerun serve: {line_for(llm, args.model)}", file=sys.stderr)
     if st.keys.enabled:
         print(f"forerun serve: /v1 needs one of {len(st.keys.digests)} API key(s); each key is a tenant", file=sys.stderr)
