@@ -150,7 +150,7 @@ def _merged(replies: list[Response]) -> Response:
         return failed
     bodies = [json.loads(r.body) for r in replies]
     out = bodies[0]
-    out["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    out["choices"] = [b["choices"][0] for b in bodies]  # (each carries its index: its Shape's)
     completion = sum(b["usage"]["completion_tokens"] for b in bodies)
     out["usage"].update(completion_tokens=completion, total_tokens=out["usage"]["prompt_tokens"] + completion)
     return JSONResponse(out)

@@ -9,7 +9,7 @@ from forerun.errors import ForerunError
 from forerun.serve.admission import Limits
 from forerun.serve.auth import ApiKeys
 from forerun.serve.one_pool import built_off_thread
-from forerun.serve.scheduler import Scheduler, ServeConfig
+from forerun.serve.scheduler import Scheduler, ServeConfig, budget_blocks
 
 
 def build_server(llm, spec: SpeculativeConfig | None, cfg: ServeConfig = ServeConfig(),
@@ -42,7 +42,7 @@ def cmd_serve(args) -> int:
     sch = st.scheduler
     print(f"forerun serve: {st.limits.model_names[0]} ({llm.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
           f"{args.max_batch} rows, up to {st.limits.max_len} tokens a request, http://{args.host}:{args.port}/v1", file=sys.stderr)
-    pool_gb, budget = sch.blocks.num_blocks * sch.block_bytes / 2**30, int(args.kv_cache_gb * 2**30 // sch.block_bytes)
+    pool_gb, budget = sch.blocks.num_blocks * sch.block_bytes / 2**30, budget_blocks(sch.cfg, sch.block_bytes)
     why = ("--num-blocks" if args.num_blocks else f"--kv-cache-gb {args.kv_cache_gb:g}" if sch.blocks.num_blocks >= budget
            else f"every row at the longest request, within --kv-cache-gb {args.kv_cache_gb:g}")
     print(f"forerun serve: KV pool {pool_gb:.2f} GiB ({why}): {sch.blocks.num_blocks} blocks of {args.block_size} tokens = "

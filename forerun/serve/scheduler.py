@@ -321,7 +321,7 @@ class Scheduler:
         one, or a running one; `needy` itself when it is the newest). False when nothing else
         holds blocks (the pool cannot hold even `needy`)."""
         holding = self._holding()
-        if len(holding) < 2:
+        if all(lv is needy for lv in holding):
             return False
         self._preempt(max(holding, key=lambda lv: lv.order))
         return True
@@ -329,15 +329,9 @@ class Scheduler:
     def _preempt(self, lv: Live) -> None:
         """Give back lv's row and blocks and put it at the head of the queue, its blocks first
         stored in the prefix cache (where on) so that its return reads them back."""
-        row = lv.seq.row
-        if self.prefix is not None and row in self.running:
-            with self._prefix_lock:
-                self.prefix.store(lv.seq.tokens, self.cache, row, self.cache.lengths[row], lv.req.cache_salt)
-        self.running.pop(row, None)
-        self.prefilling.pop(row, None)
-        lv.table.release()
-        self.sync_table(row, [])
-        self.free_rows.append(row)
+        if lv.seq.row in self.running:
+            self._store_blocks(lv)
+        self._release(lv)
         lv.preempted += 1
         self.preemptions += 1
         with self._cv:
@@ -382,21 +376,29 @@ class Scheduler:
         retire = getattr(self.drafter, "retire", None)
         if retire is not None:
             retire(engine.retiring(lv.seq))
+        self._store_blocks(lv)
+
+    def _store_blocks(self, lv: Live) -> None:
+        """The whole blocks lv's row computed, into the prefix cache (where it is on)."""
         if self.prefix is not None:
             row = lv.seq.row
             with self._prefix_lock:
                 self.prefix.store(lv.seq.tokens, self.cache, row, self.cache.lengths[row], lv.req.cache_salt)
 
-    def _finish(self, lv: Live, last: Event) -> None:
-        """Release the row and its blocks, then tell the consumer (exactly once)."""
-        if last.error is None and lv.seq.row not in self.prefilling:
-            self._keep(lv)
+    def _release(self, lv: Live) -> None:
+        """lv leaves its row (finished, failed, cancelled or preempted): the row, its blocks back."""
         self.running.pop(lv.seq.row, None)
         self.prefilling.pop(lv.seq.row, None)
         lv.table.release()
         self.sync_table(lv.seq.row, [])
         self.free_rows.append(lv.seq.row)
-        last.completion_tokens, last.stats, last.token_ids = len(lv.seq.generated), lv.seq.stats, lv.seq.generated
+
+    def _finish(self, lv: Live, last: Event) -> None:
+        """Release the row and its blocks, then tell the consumer (exactly once)."""
+        if last.error is None and lv.seq.row not in self.prefilling:
+            self._keep(lv)
+        self._release(lv)
+        _last(lv, last)
         last.logprobs = _new_logprobs(lv)
         if self.metrics:
             self.metrics.on_finish(lv, last)
@@ -462,7 +464,8 @@ def _request(item: ServeRequest | Live) -> ServeRequest:
 
 
 def _last(item: ServeRequest | Live, last: Event) -> Event:
-    """The last event of a waiting entry: a preempted sequence's carries what it generated."""
+    """A request's last event with what its sequence generated (a waiting entry that was never
+    admitted has none)."""
     if isinstance(item, Live):
         last.completion_tokens, last.stats, last.token_ids = len(item.seq.generated), item.seq.stats, item.seq.generated
     return last
@@ -472,6 +475,11 @@ def kv_bytes_per_token(model) -> int:
     """The verifier's K and V bytes for one token, every layer."""
     c = model.config
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=model.kv_dtype).element_size()
+
+
+def budget_blocks(cfg: ServeConfig, block_bytes: int) -> int:
+    """The KV blocks kv_cache_gb holds."""
+    return int(cfg.kv_cache_gb * 2**30 // block_bytes)
 
 
 def pool_plan(cfg: ServeConfig, context: int, nodes: int, block_bytes: int) -> tuple[int, int]:
@@ -486,7 +494,7 @@ def pool_plan(cfg: ServeConfig, context: int, nodes: int, block_bytes: int) -> t
         num_blocks = cfg.num_blocks
     else:
         rows_worth = cfg.max_batch * -(-(max_len + nodes + 1) // bs)
-        num_blocks = min(rows_worth, int(cfg.kv_cache_gb * 2**30 // block_bytes))
+        num_blocks = min(rows_worth, budget_blocks(cfg, block_bytes))
     if num_blocks < 1:
         raise ConfigError(f"kv_cache_gb {cfg.kv_cache_gb} holds no KV block of {block_bytes} bytes; raise it")
     fits = num_blocks * bs - nodes - 1  # the longest sequence the pool holds

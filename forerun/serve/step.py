@@ -96,11 +96,12 @@ def _plan_k(sched, lives: list[Live]) -> tuple[dict[int, int], int]:
         need = len(lv.seq.tokens) + (nodes(k) if k else 0)
         held = len(lv.table.blocks)
         # (room for the draft too: drafting 0 instead would change the draws of a seeded row)
-        while not lv.table.ensure(need) and sched.preempt_newest(lv) and sched.running.get(lv.seq.row) is lv:
-            pass
+        room = lv.table.ensure(need)
+        while not room and sched.preempt_newest(lv) and sched.running.get(lv.seq.row) is lv:
+            room = lv.table.ensure(need)
         if sched.running.get(lv.seq.row) is not lv:
             continue  # it was the newest: it waits
-        if len(lv.table.blocks) < sched.blocks.blocks_for(need):
+        if not room:
             sched._finish(lv, Event(error="KV cache blocks exhausted"))
             continue
         if len(lv.table.blocks) != held:
