@@ -55,11 +55,11 @@ def test_the_tied_table_is_held_once_and_looks_up_the_files_rows(llm, llm_f32):
     """SmolLM2 ties its head to its Q8_0 embedding: the table is held once. Where the head is
     packed for the VNNI kernel, the embedding reads its rows from that packed copy; elsewhere
     both hold the file's own blocks. Either way the rows are the file's values."""
-    from forerun.kernels import loader as kernel_loader
+    from forerun.linears.gguf import packed_simd
 
     emb, head = llm.model.model.embed_tokens, llm.model.lm_head
     assert emb.blocks is head.parts[0]
-    assert bool(head.parts[0].packed_rows) == bool(kernel_loader.load().gguf_packed_vnni())
+    assert bool(head.parts[0].packed_rows) == packed_simd()
     ids = torch.tensor([[0, 17, 49151, 17]])
     assert torch.equal(emb(ids), llm_f32.model.model.embed_tokens(ids))
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(kernel_loader.load() is None or not hasattr(kern
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from forerun.linears.gguf import NATIVE_TYPES, Blocks, GGUFEmbedding, GGUFLinear  # noqa: E402
+from forerun.linears.gguf import NATIVE_TYPES, Blocks, GGUFEmbedding, GGUFLinear, packed_simd  # noqa: E402
 
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
@@ -90,7 +90,7 @@ def test_the_kernel_computes_the_documented_function(t, kernel_choice):
     x = torch.randn(9, 768) * 2
     ref = reference(x, w) + bias.double()
     y = lin(x)
-    assert lin.packed == (kernel_choice == "packed" and bool(kernel_loader.load().gguf_packed_vnni()))
+    assert lin.packed == (kernel_choice == "packed" and packed_simd())
     assert y.shape == (9, 45)
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
@@ -264,12 +264,12 @@ def test_the_model_keeps_the_files_blocks(verifier):
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFLinear) and [p.type for p in qkv.parts] == [T.Q4_K, T.Q5_K, T.Q6_K]
     gate_up = model.model.layers[-1].mlp.gate_up_proj
-    vnni = bool(kernel_loader.load().gguf_packed_vnni())
-    assert [p.type for p in gate_up.parts] == [T.Q4_K, T.Q6_K] and qkv.packed == vnni
-    assert gate_up.packed == model.lm_head.packed == vnni
+    simd = packed_simd()
+    assert [p.type for p in gate_up.parts] == [T.Q4_K, T.Q6_K] and qkv.packed == simd
+    assert gate_up.packed == model.lm_head.packed == simd
     legacy = model.model.layers[0].mlp
-    assert [p.type for p in legacy.gate_up_proj.parts] == [T.Q4_0, T.Q5_1] and legacy.gate_up_proj.packed == vnni
-    assert legacy.down_proj.parts[0].type == T.Q4_1 and legacy.down_proj.packed == vnni
+    assert [p.type for p in legacy.gate_up_proj.parts] == [T.Q4_0, T.Q5_1] and legacy.gate_up_proj.packed == simd
+    assert legacy.down_proj.parts[0].type == T.Q4_1 and legacy.down_proj.packed == simd
     assert isinstance(model.model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
     assert not any(verifier.source.glob("*.safetensors"))  # no float32 copy was written for it
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(kernel_loader.load() is None or not hasattr(kern
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from forerun.linears.gguf import NATIVE_TYPES, GGUFLinear, packs  # noqa: E402
+from forerun.linears.gguf import NATIVE_TYPES, GGUFLinear, packed_simd, packs  # noqa: E402
 from tests.test_gguf_native import blocks, reference  # noqa: E402
 
 PACKED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -38,10 +38,36 @@ def test_packing_keeps_the_files_values_bit_for_bit(t, rows):
     assert sub.rows == 4 and np.array_equal(sub.dequantize().numpy(), ref[ids.numpy()])
 
 
-def packed_rows(x: torch.Tensor, parts, bias=None) -> torch.Tensor:
+def packed_rows(x: torch.Tensor, parts, bias=None, reference=False) -> torch.Tensor:
     packed = [p.pack() for p in parts]
     return kernel_loader.load().gguf_packed_rows(x, [p.data for p in packed], [p.type for p in packed],
-                                               [p.rows for p in packed], torch.empty(0) if bias is None else bias)
+                                               [p.rows for p in packed], torch.empty(0) if bias is None else bias,
+                                               reference=reference)
+
+
+@pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
+def test_the_simd_path_gives_the_plain_definitions_bits(t):
+    """The packed kernel's SIMD path (AVX2 here, AVX512-VNNI where the build has it) against
+    its plain C++ definition (reference=True), with torch.equal: every type, 1 to 8 tokens a
+    tile and more, rows that leave a tile part empty, activations at the int8 grid's edges
+    (a block of zeros, one dominated by one value, values of both signs at full scale), and
+    weights at their extremes (Q8_0's -128, Q6_K's -32 and +31, 6-bit scales of 63). So the
+    bits are the same on every ISA level the kernels build for."""
+    k = 768 if NATIVE_TYPES[int(t)][0] == 256 else 864
+    parts = [blocks(t, 37, k, seed=int(t) + 20), blocks(t, 5, k, seed=int(t) + 21)]
+    if t == T.Q8_0:  # d, then 32 int8: every other value -128
+        raw = parts[0].data.view(-1, 34)
+        raw[::3, 2::2] = 128
+    x = torch.randn(19, k) * 3
+    x[0, :256] = 0.0
+    x[1, 7] = 1e4
+    x[2] = torch.where(torch.arange(k) % 2 == 0, 50.0, -50.0)
+    bias = torch.randn(42)
+    simd = packed_rows(x, parts, bias)
+    plain = packed_rows(x, parts, bias, reference=True)
+    assert torch.equal(simd, plain)
+    for a, b in [(0, 1), (3, 5), (5, 8), (8, 15), (12, 19)]:  # tiles of 1, 2, 3, 7 and 7 tokens
+        assert torch.equal(packed_rows(x[a:b], parts, bias), plain[a:b])
 
 
 @pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
@@ -93,7 +119,7 @@ def test_legacy_tiles_over_inputs_not_whole_256s_are_batch_invariant():
 def test_a_linear_packs_where_the_kernel_has_vnni_and_keeps_its_function(monkeypatch):
     parts = [blocks(T.Q4_K, 20, 256, 4), blocks(T.Q6_K, 12, 256, 5)]
     lin = GGUFLinear(parts)
-    assert lin.packed == packs(parts) == bool(kernel_loader.load().gguf_packed_vnni())
+    assert lin.packed == packs(parts) == packed_simd()
     x = torch.randn(3, 256)
     ref = torch.cat([reference(x, p) for p in parts], 1)
     assert (lin(x).double() - ref).abs().max() <= 2e-6 * ref.abs().max()

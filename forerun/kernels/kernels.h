@@ -29,7 +29,7 @@ float gguf_decode_block(int64_t type, const uint8_t* p, uint8_t* q, int16_t* sc,
 
 // gguf_packed_rows.cpp
 torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
-                               std::vector<int64_t> rows, torch::Tensor bias);
+                               std::vector<int64_t> rows, torch::Tensor bias, bool reference = false);
 
 // attention_rows.cpp (tables: a paged pool's block tables [rows, width]; none: k, v are rows)
 torch::Tensor attend_prefix(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows, torch::Tensor limits,

@@ -9,9 +9,10 @@ gguf_rows.cpp) and the activations are quantized per block of the weight's width
 llama.cpp does: the model llama.cpp runs, at its fidelity.
 
 The blocks are placed in a model by gguf/place.py. Where the
-kernels have AVX512-VNNI, every linear has its rows rearranged 16 per tile (gguf_packed_rows.cpp:
-the same bits, 16 outputs per VNNI instruction); elsewhere, or with FORERUN_GGUF_ROWS=1, the
-linears read the file's row-major blocks (gguf_rows.cpp). The
+kernels have AVX512-VNNI or AVX2, every linear has its rows rearranged 16 per tile
+(gguf_packed_rows.cpp: 16 outputs per VNNI instruction, or 8 per AVX2 maddubs / madd pair, the
+same bits on both); elsewhere, or with FORERUN_GGUF_ROWS=1, the linears read the file's
+row-major blocks (gguf_rows.cpp). The
 embedding table is read from its blocks too, one looked-up row at a time. Tensors of other
 types (float norms and biases, a float or unsupported-type matrix) are dequantized to
 float32 exactly as the float32 path does. Each token's output is one instruction sequence
@@ -80,13 +81,18 @@ class Blocks:
                       self.rows)
 
 
-def packs(parts: list[Blocks]) -> bool:
-    """Whether a linear of these parts runs on the packed kernel: all of a packed type and a
-    kernel compiled with AVX512-VNNI (elsewhere the row kernel is faster than the packed one's
-    plain C++)."""
+def packed_simd() -> bool:
+    """Whether the packed kernel was compiled with SIMD instructions (AVX512-VNNI, or AVX2 with
+    FMA and F16C; the same bits either way). Without them it is plain C++, and the row kernel
+    is faster."""
     kernel = kernels()
-    return (hasattr(kernel, "gguf_packed_vnni") and kernel.gguf_packed_vnni() and not os.environ.get("FORERUN_GGUF_ROWS")
-            and all(p.type in PACKED_TYPES for p in parts))
+    return hasattr(kernel, "gguf_packed_isa") and kernel.gguf_packed_isa() != "scalar"
+
+
+def packs(parts: list[Blocks]) -> bool:
+    """Whether a linear of these parts runs on the packed kernel: all of a packed type, a
+    kernel with SIMD (packed_simd) and no FORERUN_GGUF_ROWS."""
+    return packed_simd() and not os.environ.get("FORERUN_GGUF_ROWS") and all(p.type in PACKED_TYPES for p in parts)
 
 
 def kernels():
@@ -109,7 +115,7 @@ class GGUFLinear(nn.Module):
         self.packed = packs(parts)
         self.parts = [p.pack() for p in parts] if self.packed else parts
         if not self.packed and any(p.packed_rows for p in parts):
-            raise ValueError("GGUFLinear: packed blocks need the packed kernel (AVX512-VNNI) and packed types only")
+            raise ValueError("GGUFLinear: packed blocks need the packed kernel (AVX512-VNNI or AVX2) and packed types only")
         self.in_features, self.out_features = parts[0].in_features, sum(p.rows for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self._bind()
