@@ -38,6 +38,11 @@
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
+#if !defined(FORERUN_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FORERUN_ATTEND_AVX2 1  // attend_one_avx2: attend_one_scalar's bits, 8 lanes at a time
+#endif
+#include <atomic>
 
 // --- a float16 cache ---------------------------------------------------------------------
 // Read: a (cache row, KV head)'s first n rows widened into per-thread float32 scratch before
@@ -559,6 +564,114 @@ static void attend_one_scalar(const float* qv, const Keys& kb, const Keys& vb, i
   for (int64_t d = 0; d < D; ++d) o[d] = (acc0[d] + acc1[d]) * inv;
 }
 
+#ifdef FORERUN_ATTEND_AVX2
+// attend_one_scalar's operations, 8 lanes at a time, for D a multiple of 32: the same bits.
+// Its 16 lanes (dots, the max, the sum) are two vectors, lo = lanes 0-7 and hi = 8-15, summed
+// in lane_sum's tree (l + (l+8), then + 4, + 2, + 1); exp_nonpositive's multiplies and adds
+// stay separate (the build contracts nothing); the output's two chains keep 4 vectors each in
+// registers over all keys, 32 values of D at a time, where the plain loop loads and stores
+// them for every key. The 1.5B's 2,048-token prefill on a Zen 3 without AVX512: see
+// docs/results.md.
+static inline float lane_sum8(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+template <int R>
+static inline void dots_avx2(const float* a, const float* const* b, int64_t D, float* out) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 a0 = _mm256_loadu_ps(a + d), a1 = _mm256_loadu_ps(a + d + 8);
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(b[r] + d), lo[r]);
+      hi[r] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(b[r] + d + 8), hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = lane_sum8(lo[r], hi[r]);
+}
+
+static inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 fi = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, fi);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f, 1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static void attend_one_avx2(const float* qv, const Keys& kb, const Keys& vb, int64_t L, int64_t D, float scale,
+                            float* p, float* o, const int32_t* idx) {
+  auto key = [&](int64_t j) -> int64_t { return idx ? idx[j] : j; };
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {
+    const float* b[4] = {kb.row(key(j)), kb.row(key(j + 1)), kb.row(key(j + 2)), kb.row(key(j + 3))};
+    dots_avx2<4>(qv, b, D, p + j);
+  }
+  for (; j < L; ++j) {
+    const float* b[1] = {kb.row(key(j))};
+    dots_avx2<1>(qv, b, D, p + j);
+  }
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 mlo = _mm256_set1_ps(-INFINITY), mhi = mlo;
+  for (j = 0; j + 8 <= L; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), vs));
+  for (; j < L; ++j) p[j] *= scale;
+  for (j = 0; j + 16 <= L; j += 16) {
+    mlo = _mm256_max_ps(mlo, _mm256_loadu_ps(p + j));
+    mhi = _mm256_max_ps(mhi, _mm256_loadu_ps(p + j + 8));
+  }
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, mlo);
+  _mm256_store_ps(lanes + 8, mhi);
+  for (int l = 0; j + l < L; ++l) lanes[l] = std::max(lanes[l], p[j + l]);
+  float m = lanes[0];
+  for (int l = 1; l < 16; ++l) m = std::max(m, lanes[l]);
+  const __m256 vm = _mm256_set1_ps(m);
+  for (j = 0; j + 8 <= L; j += 8) _mm256_storeu_ps(p + j, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm)));
+  for (; j < L; ++j) p[j] = exp_nonpositive(p[j] - m);
+  __m256 slo = _mm256_setzero_ps(), shi = slo;
+  for (j = 0; j + 16 <= L; j += 16) {
+    slo = _mm256_add_ps(slo, _mm256_loadu_ps(p + j));
+    shi = _mm256_add_ps(shi, _mm256_loadu_ps(p + j + 8));
+  }
+  _mm256_store_ps(lanes, slo);
+  _mm256_store_ps(lanes + 8, shi);
+  for (int l = 0; j + l < L; ++l) lanes[l] += p[j + l];
+  const float sum = lane_sum(lanes);
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {  // two chains (even / odd keys), joined at the end
+    __m256 e[4], od[4];
+    for (int c = 0; c < 4; ++c) e[c] = od[c] = _mm256_setzero_ps();
+    for (j = 0; j + 2 <= L; j += 2) {
+      const __m256 p0 = _mm256_set1_ps(p[j]), p1 = _mm256_set1_ps(p[j + 1]);
+      const float *v0 = vb.row(key(j)) + d0, *v1 = vb.row(key(j + 1)) + d0;
+      for (int c = 0; c < 4; ++c) {
+        e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
+        od[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), od[c]);
+      }
+    }
+    if (j < L) {
+      const __m256 p0 = _mm256_set1_ps(p[j]);
+      const float* v0 = vb.row(key(j)) + d0;
+      for (int c = 0; c < 4; ++c) e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
+    }
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(_mm256_add_ps(e[c], od[c]), inv));
+  }
+}
+#endif
+
+// Test switch: true sends every query through attend_one_scalar, the definition the SIMD
+// paths without AVX512 reproduce bit for bit (tests/test_attention_avx2.py compares them).
+static std::atomic<bool> attention_reference{false};
+
+bool set_attention_reference(bool on) { return attention_reference.exchange(on); }
+
 // The queries of one GQA group (or part of one), all reading the same KV head: query g's
 // vector q[g], its key count L[g] (and, for a token tree, the keys' rows idx[g]), output o[g].
 struct Group {
@@ -602,6 +715,13 @@ static void attend_group(const Group& grp, const Keys& kb, const Keys& vb, int64
   if (attend_group_d<IDX>(D, G, grp.q.data(), grp.L.data(), kb.base, vb.base, scale, p, stride, acc, sums,
                           grp.o.data(), grp.idx.data()))
     return;
+#endif
+#ifdef FORERUN_ATTEND_AVX2
+  if (D % 32 == 0 && !attention_reference.load(std::memory_order_relaxed)) {
+    for (int64_t g = 0; g < G; ++g)
+      attend_one_avx2(grp.q[g], kb, vb, grp.L[g], D, scale, p, grp.o[g], IDX ? grp.idx[g] : nullptr);
+    return;
+  }
 #endif
   for (int64_t g = 0; g < G; ++g)
     attend_one_scalar(grp.q[g], kb, vb, grp.L[g], D, scale, p, acc, acc + D, grp.o[g], IDX ? grp.idx[g] : nullptr);

@@ -251,6 +251,8 @@ void bind_int8_rows(pybind11::module& m) {
   m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("rows"), py::arg("mask"), py::arg("scale"),
         py::arg("tables") = py::none());
+  m.def("set_attention_reference", &set_attention_reference,
+        "test switch: attention through its plain C++ definition (the SIMD paths give its bits); returns the old value");
   m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k"), py::arg("v"), py::arg("rows"), py::arg("slots"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("scale"), py::arg("tables") = py::none());

@@ -40,6 +40,8 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 torch::Tensor rows, torch::Tensor slots, int64_t heads, int64_t kv_heads, double scale,
                                 std::optional<torch::Tensor> tables);
 
+bool set_attention_reference(bool on);  // test switch: every query through the plain C++ definition; returns the old value
+
 // Each source's Python bindings (module.cpp calls them all).
 void bind_int8_rows(pybind11::module& m);
 void bind_layer_rows(pybind11::module& m);
