@@ -1,5 +1,6 @@
-"""The per-query attention's SIMD path without AVX512 (attend_one_avx2, where the build has AVX2
-and FMA) gives the bits of its plain C++ definition (attend_one_scalar): the same 16-lane dot
+"""The per-query attention's SIMD path without AVX512 (attend_group_avx2, where the build has AVX2
+and FMA: a group's queries over K and V a chunk of keys at a time) gives the bits of its plain
+C++ definition (attend_one_scalar, one query over all its keys): the same 16-lane dot
 products and sums, the same exp without contraction, the same two output chains.
 
 `set_attention_reference(True)` sends every query through the definition; each case is run

@@ -40,7 +40,7 @@
 #endif
 #if !defined(FORERUN_VNNI) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define FORERUN_ATTEND_AVX2 1  // attend_one_avx2: attend_one_scalar's bits, 8 lanes at a time
+#define FORERUN_ATTEND_AVX2 1  // attend_group_avx2: attend_one_scalar's bits, 8 lanes at a time
 #endif
 #include <atomic>
 
@@ -568,10 +568,9 @@ static void attend_one_scalar(const float* qv, const Keys& kb, const Keys& vb, i
 // attend_one_scalar's operations, 8 lanes at a time, for D a multiple of 32: the same bits.
 // Its 16 lanes (dots, the max, the sum) are two vectors, lo = lanes 0-7 and hi = 8-15, summed
 // in lane_sum's tree (l + (l+8), then + 4, + 2, + 1); exp_nonpositive's multiplies and adds
-// stay separate (the build contracts nothing); the output's two chains keep 4 vectors each in
-// registers over all keys, 32 values of D at a time, where the plain loop loads and stores
-// them for every key. The 1.5B's 2,048-token prefill on a Zen 3 without AVX512: see
-// docs/results.md.
+// stay separate (the build contracts nothing); the output's two chains are 4 vectors each in
+// registers over a chunk of keys, 32 values of D at a time, where the plain loop loads and
+// stores them for every key; and a group's queries go over K and V a chunk at a time.
 static inline float lane_sum8(__m256 lo, __m256 hi) {
   const __m256 s8 = _mm256_add_ps(lo, hi);
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -606,21 +605,13 @@ static inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-static void attend_one_avx2(const float* qv, const Keys& kb, const Keys& vb, int64_t L, int64_t D, float scale,
-                            float* p, float* o, const int32_t* idx) {
-  auto key = [&](int64_t j) -> int64_t { return idx ? idx[j] : j; };
-  int64_t j = 0;
-  for (; j + 4 <= L; j += 4) {
-    const float* b[4] = {kb.row(key(j)), kb.row(key(j + 1)), kb.row(key(j + 2)), kb.row(key(j + 3))};
-    dots_avx2<4>(qv, b, D, p + j);
-  }
-  for (; j < L; ++j) {
-    const float* b[1] = {kb.row(key(j))};
-    dots_avx2<1>(qv, b, D, p + j);
-  }
+// A query's scores [0, L) after the dots (p): times scale, the max in 16 lanes, exp(p - max)
+// and the sum of the exps in 16 lanes, as attend_one_scalar; returns the sum.
+static float softmax_avx2(float* p, int64_t L, float scale) {
   const __m256 vs = _mm256_set1_ps(scale);
   __m256 mlo = _mm256_set1_ps(-INFINITY), mhi = mlo;
-  for (j = 0; j + 8 <= L; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), vs));
+  int64_t j = 0;
+  for (; j + 8 <= L; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), vs));
   for (; j < L; ++j) p[j] *= scale;
   for (j = 0; j + 16 <= L; j += 16) {
     mlo = _mm256_max_ps(mlo, _mm256_loadu_ps(p + j));
@@ -643,25 +634,83 @@ static void attend_one_avx2(const float* qv, const Keys& kb, const Keys& vb, int
   _mm256_store_ps(lanes, slo);
   _mm256_store_ps(lanes + 8, shi);
   for (int l = 0; j + l < L; ++l) lanes[l] += p[j + l];
-  const float sum = lane_sum(lanes);
-  const __m256 inv = _mm256_set1_ps(1.f / sum);
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {  // two chains (even / odd keys), joined at the end
-    __m256 e[4], od[4];
-    for (int c = 0; c < 4; ++c) e[c] = od[c] = _mm256_setzero_ps();
-    for (j = 0; j + 2 <= L; j += 2) {
-      const __m256 p0 = _mm256_set1_ps(p[j]), p1 = _mm256_set1_ps(p[j + 1]);
-      const float *v0 = vb.row(key(j)) + d0, *v1 = vb.row(key(j + 1)) + d0;
-      for (int c = 0; c < 4; ++c) {
-        e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
-        od[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), od[c]);
+  return lane_sum(lanes);
+}
+
+// Keys per pass of a group: 32 keys of K or V at D 128 are 16 KB, which stay in L1 while every
+// query of the group reads them (one query at a time over all its keys read K and V from L3
+// once per query).
+constexpr int64_t KEY_CHUNK_AVX2 = 32;
+
+// The queries of a group over the same K / V, a chunk of keys at a time: per query the scores
+// of attend_one_scalar (dots of 4 keys, then 1: the same arithmetic per key), its softmax, and
+// its two output chains (even / odd keys; an odd last key into the even one) continued chunk
+// after chunk in acc, so each query's arithmetic is the definition's whatever G and the chunks.
+// p: G x stride, acc: G x 2 D (scratch); D a multiple of 32.
+template <bool IDX>
+static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* L, const Keys& kb, const Keys& vb,
+                              int64_t D, float scale, float* p, int64_t stride, float* acc, float* const* o,
+                              const int32_t* const* idx) {
+  int64_t Lmax = 0;
+  for (int64_t g = 0; g < G; ++g) Lmax = std::max(Lmax, L[g]);
+  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2)
+    for (int64_t g = 0; g < G; ++g) {
+      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
+      const int64_t j1 = std::min(j0 + KEY_CHUNK_AVX2, L[g]);
+      float* pg = p + g * stride;
+      int64_t j = j0;
+      for (; j + 4 <= j1; j += 4) {
+        const float* b[4] = {kb.row(key(j)), kb.row(key(j + 1)), kb.row(key(j + 2)), kb.row(key(j + 3))};
+        dots_avx2<4>(qv[g], b, D, pg + j);
+      }
+      for (; j < j1; ++j) {
+        const float* b[1] = {kb.row(key(j))};
+        dots_avx2<1>(qv[g], b, D, pg + j);
       }
     }
-    if (j < L) {
-      const __m256 p0 = _mm256_set1_ps(p[j]);
-      const float* v0 = vb.row(key(j)) + d0;
-      for (int c = 0; c < 4; ++c) e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) {
+    inv[g] = 1.f / softmax_avx2(p + g * stride, L[g], scale);
+    std::fill(acc + g * 2 * D, acc + (g + 1) * 2 * D, 0.f);
+  }
+  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2)  // (the chunk is even: pairs stay pairs)
+    for (int64_t g = 0; g < G; ++g) {
+      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
+      const int64_t j1 = std::min(j0 + KEY_CHUNK_AVX2, L[g]);
+      if (j0 >= j1) continue;
+      const float* pg = p + g * stride;
+      float *ae = acc + g * 2 * D, *ao = ae + D;
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m256 e[4], od[4];
+        for (int c = 0; c < 4; ++c) {
+          e[c] = _mm256_loadu_ps(ae + d0 + 8 * c);
+          od[c] = _mm256_loadu_ps(ao + d0 + 8 * c);
+        }
+        int64_t j = j0;
+        for (; j + 2 <= j1; j += 2) {
+          const __m256 p0 = _mm256_set1_ps(pg[j]), p1 = _mm256_set1_ps(pg[j + 1]);
+          const float *v0 = vb.row(key(j)) + d0, *v1 = vb.row(key(j + 1)) + d0;
+          for (int c = 0; c < 4; ++c) {
+            e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
+            od[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), od[c]);
+          }
+        }
+        if (j < j1) {  // the query's last key, alone
+          const __m256 p0 = _mm256_set1_ps(pg[j]);
+          const float* v0 = vb.row(key(j)) + d0;
+          for (int c = 0; c < 4; ++c) e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
+        }
+        for (int c = 0; c < 4; ++c) {
+          _mm256_storeu_ps(ae + d0 + 8 * c, e[c]);
+          _mm256_storeu_ps(ao + d0 + 8 * c, od[c]);
+        }
+      }
     }
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(_mm256_add_ps(e[c], od[c]), inv));
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 vi = _mm256_set1_ps(inv[g]);
+    const float *ae = acc + g * 2 * D, *ao = ae + D;
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(o[g] + d, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(ae + d), _mm256_loadu_ps(ao + d)), vi));
   }
 }
 #endif
@@ -718,8 +767,7 @@ static void attend_group(const Group& grp, const Keys& kb, const Keys& vb, int64
 #endif
 #ifdef FORERUN_ATTEND_AVX2
   if (D % 32 == 0 && !attention_reference.load(std::memory_order_relaxed)) {
-    for (int64_t g = 0; g < G; ++g)
-      attend_one_avx2(grp.q[g], kb, vb, grp.L[g], D, scale, p, grp.o[g], IDX ? grp.idx[g] : nullptr);
+    attend_group_avx2<IDX>(G, grp.q.data(), grp.L.data(), kb, vb, D, scale, p, stride, acc, grp.o.data(), grp.idx.data());
     return;
   }
 #endif
