@@ -826,7 +826,7 @@ void bind_gguf_packed_rows(pybind11::module& m) {
   m.def("gguf_pack", &gguf_pack, "GGUF rows rearranged 16 rows per tile (the same bits)");
   m.def("gguf_packed_select", &gguf_packed_select, "rows of a packed GGUF matrix, packed");
   m.def("gguf_packed_dequant", &gguf_packed_dequant, "rows of a packed GGUF matrix as float32 (ggml's values)");
-  m.def("gguf_packed_rows", &gguf_packed_rows, "linear over packed GGUF tiles, batch-invariant (reference: the plain C++ definition)",
+  m.def("gguf_packed_rows", &gguf_packed_rows, "linear over packed GGUF tiles, batch-invariant (reference: the plain C++ definition)", pybind11::call_guard<pybind11::gil_scoped_release>(),
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("types"), pybind11::arg("rows"), pybind11::arg("bias"),
         pybind11::arg("reference") = false);
   m.def("gguf_packed_vnni", &gguf_packed_vnni, "whether the packed GGUF kernel was compiled with AVX512-VNNI");

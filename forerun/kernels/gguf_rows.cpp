@@ -682,7 +682,7 @@ torch::Tensor gguf_dequant_rows(torch::Tensor w, int64_t type, torch::Tensor ids
 }
 
 void bind_gguf_rows(pybind11::module& m) {
-  m.def("gguf_rows", &gguf_rows, "linear over a GGUF file's quantized blocks, batch-invariant");
+  m.def("gguf_rows", &gguf_rows, "linear over a GGUF file's quantized blocks, batch-invariant", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_dequant_rows", &gguf_dequant_rows, "rows of a GGUF quantized tensor as the kernel computes with them",
         pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("ids"), pybind11::arg("K"), pybind11::arg("vector") = true);
 }
