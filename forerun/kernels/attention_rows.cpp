@@ -173,18 +173,19 @@ struct CacheView {
 // power (exponent bits) and a degree-6 polynomial on [0, 1); ~2 ulp, branch-free so the
 // compiler vectorises the loop that calls it. The same code runs for every query, which
 // is the point: a query's result never depends on how many queries share the call.
+// The polynomial's coefficients, highest degree first (p = c0, then p = p * f + c for the rest):
+// the plain and AVX2 paths read them here, so the two cannot drift apart.
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float EXP2_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f,
+                                2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+
 static inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
-  const float t = x * 1.4426950408889634f;
+  const float t = x * LOG2E;
   const float fi = std::floor(t);
   const float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  float p = EXP2_POLY[0];
+  for (int i = 1; i < 7; ++i) p = p * f + EXP2_POLY[i];
   const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -594,13 +595,11 @@ static inline void dots_avx2(const float* a, const float* const* b, int64_t D, f
 
 static inline __m256 exp_nonpositive8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(LOG2E));
   const __m256 fi = _mm256_floor_ps(t);
   const __m256 f = _mm256_sub_ps(t, fi);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                        6.931472028550421e-1f, 1.0f})
-    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c));
+  __m256 p = _mm256_set1_ps(EXP2_POLY[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(EXP2_POLY[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fi), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
@@ -646,11 +645,11 @@ constexpr int64_t KEY_CHUNK_AVX2 = 32;
 // of attend_one_scalar (dots of 4 keys, then 1: the same arithmetic per key), its softmax, and
 // its two output chains (even / odd keys; an odd last key into the even one) continued chunk
 // after chunk in acc, so each query's arithmetic is the definition's whatever G and the chunks.
-// p: G x stride, acc: G x 2 D (scratch); D a multiple of 32.
+// p: G x stride, acc: G x 2 D, sums: G (scratch); D a multiple of 32.
 template <bool IDX>
 static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* L, const Keys& kb, const Keys& vb,
-                              int64_t D, float scale, float* p, int64_t stride, float* acc, float* const* o,
-                              const int32_t* const* idx) {
+                              int64_t D, float scale, float* p, int64_t stride, float* acc, float* sums,
+                              float* const* o, const int32_t* const* idx) {
   int64_t Lmax = 0;
   for (int64_t g = 0; g < G; ++g) Lmax = std::max(Lmax, L[g]);
   for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2)
@@ -668,9 +667,8 @@ static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* 
         dots_avx2<1>(qv[g], b, D, pg + j);
       }
     }
-  std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
-    inv[g] = 1.f / softmax_avx2(p + g * stride, L[g], scale);
+    sums[g] = softmax_avx2(p + g * stride, L[g], scale);
     std::fill(acc + g * 2 * D, acc + (g + 1) * 2 * D, 0.f);
   }
   for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2)  // (the chunk is even: pairs stay pairs)
@@ -707,7 +705,7 @@ static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* 
       }
     }
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 vi = _mm256_set1_ps(inv[g]);
+    const __m256 vi = _mm256_set1_ps(1.f / sums[g]);
     const float *ae = acc + g * 2 * D, *ao = ae + D;
     for (int64_t d = 0; d < D; d += 8)
       _mm256_storeu_ps(o[g] + d, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(ae + d), _mm256_loadu_ps(ao + d)), vi));
@@ -767,7 +765,8 @@ static void attend_group(const Group& grp, const Keys& kb, const Keys& vb, int64
 #endif
 #ifdef FORERUN_ATTEND_AVX2
   if (D % 32 == 0 && !attention_reference.load(std::memory_order_relaxed)) {
-    attend_group_avx2<IDX>(G, grp.q.data(), grp.L.data(), kb, vb, D, scale, p, stride, acc, grp.o.data(), grp.idx.data());
+    attend_group_avx2<IDX>(G, grp.q.data(), grp.L.data(), kb, vb, D, scale, p, stride, acc, sums, grp.o.data(),
+                           grp.idx.data());
     return;
   }
 #endif

@@ -358,7 +358,7 @@ __attribute__((always_inline)) inline __m256i fifth_bit(__m256i h, int bit) {
 // bit for bit (reference=True in gguf_packed_rows runs it on any build, for the tests).
 template <int64_t TYPE, int TB>
 void scalar_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* s32,
-                 float* out) {
+                   float* out) {
   constexpr Packed P = layout_of(TYPE);
   for (int t = 0; t < TB; ++t)
     for (int64_t l = 0; l < LANES; ++l) {
@@ -383,7 +383,7 @@ void scalar_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, co
 
 template <int64_t TYPE, int TB>
 void scalar_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* bp,
-               const int32_t* b32, float* out) {
+                 const int32_t* b32, float* out) {
   constexpr Packed P = layout_of(TYPE);
   for (int t = 0; t < TB; ++t)
     for (int64_t l = 0; l < LANES; ++l) {
@@ -802,14 +802,6 @@ torch::Tensor gguf_packed_rows(torch::Tensor x_in, std::vector<torch::Tensor> pa
   return out;
 }
 
-bool gguf_packed_vnni() {
-#ifdef FORERUN_GGUF_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
-
 // The instructions the packed kernel computes with here: "avx512-vnni", "avx2" or "scalar"
 // (the plain C++ definition, which the row kernel outruns).
 std::string gguf_packed_isa() {
@@ -826,9 +818,8 @@ void bind_gguf_packed_rows(pybind11::module& m) {
   m.def("gguf_pack", &gguf_pack, "GGUF rows rearranged 16 rows per tile (the same bits)");
   m.def("gguf_packed_select", &gguf_packed_select, "rows of a packed GGUF matrix, packed");
   m.def("gguf_packed_dequant", &gguf_packed_dequant, "rows of a packed GGUF matrix as float32 (ggml's values)");
-  m.def("gguf_packed_rows", &gguf_packed_rows, "linear over packed GGUF tiles, batch-invariant (reference: the plain C++ definition)", pybind11::call_guard<pybind11::gil_scoped_release>(),
+  m.def("gguf_packed_rows", &gguf_packed_rows, "linear over packed GGUF tiles, batch-invariant (reference: the plain C++ definition)", ReleaseGil(),
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("types"), pybind11::arg("rows"), pybind11::arg("bias"),
         pybind11::arg("reference") = false);
-  m.def("gguf_packed_vnni", &gguf_packed_vnni, "whether the packed GGUF kernel was compiled with AVX512-VNNI");
   m.def("gguf_packed_isa", &gguf_packed_isa, "the packed GGUF kernel's instructions: avx512-vnni, avx2 or scalar");
 }

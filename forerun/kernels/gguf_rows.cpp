@@ -110,7 +110,7 @@ struct Layout {
   int64_t qk, bytes;  // values per block, bytes per block
 };
 
-Layout layout_of(int64_t type) {
+constexpr Layout block_layout(int64_t type) {  // {0, 0}: no native kernel
   switch (type) {
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
@@ -121,7 +121,13 @@ Layout layout_of(int64_t type) {
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
   }
-  TORCH_CHECK(false, "GGUF block type ", type, " has no native kernel");
+  return {0, 0};
+}
+
+Layout layout_of(int64_t type) {
+  const Layout L = block_layout(type);
+  TORCH_CHECK(L.qk, "GGUF block type ", type, " has no native kernel");
+  return L;
 }
 
 inline float f16(const uint8_t* p) {
@@ -398,8 +404,9 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// A block's integer dot product for 32 of its values at offset o: 8 int32 lanes, exact (the
-// pairs' sums stay inside int16: at most 2 x 63 x 127, or 2 x 128 x 127 for Q8_0's signed bytes).
+// A block's integer dot product for 32 of its values at offset o is
+// madd(pair_sums(values, activations), lane_scales(o)): 8 int32 lanes, exact (the pairs' sums stay
+// inside int16: at most 2 x 63 x 127, or 2 x 128 x 127 for Q8_0's signed bytes).
 template <int64_t QK, bool PER16>
 inline __m256i lane_scales(const Block& w, int64_t o) {
   return QK == 32 ? _mm256_set1_epi16(1)
@@ -471,15 +478,10 @@ inline void block_dot(const Block& w, const int8_t* qa, float da, const int16_t*
 inline float finish(const Sums& s) { return s.acc - s.macc; }
 #endif
 
-constexpr int64_t block_bytes(int64_t type) {
-  return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : type == Q8_0 ? 34
-       : type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
-}
-
 // One output row for every token: each block decoded once, then every token's part of it.
 template <int64_t TYPE>
 void row_dots(const uint8_t* row, int64_t K, const Acts& a, int64_t N, Block& w, Sums* sums) {
-  constexpr int64_t QK = TYPE >= Q4_K ? 256 : 32, BYTES = block_bytes(TYPE);
+  constexpr int64_t QK = block_layout(TYPE).qk, BYTES = block_layout(TYPE).bytes;
   const int64_t nb = K / QK, ng = K / 16;
   std::fill(sums, sums + N, Sums());
   for (int64_t b = 0; b < nb; ++b) {
@@ -500,7 +502,7 @@ constexpr int64_t TILE = 64;
 // tile_dot over the tokens 4 at a time (the rest 3, 2 or 1). sums: [R][TILE].
 template <int64_t TYPE, int R>
 void tile_rows(const uint8_t* const* rows, int64_t K, const Acts& a, int64_t t0, int64_t t1, Block* w, Sums* sums) {
-  constexpr int64_t QK = TYPE >= Q4_K ? 256 : 32, BYTES = block_bytes(TYPE);
+  constexpr int64_t QK = block_layout(TYPE).qk, BYTES = block_layout(TYPE).bytes;
   constexpr bool SIGNED = TYPE == Q8_0, PER16 = TYPE == Q6_K;
   const int64_t nb = K / QK, ng = K / 16;
   for (int r = 0; r < R; ++r) std::fill(sums + r * TILE, sums + r * TILE + (t1 - t0), Sums());
@@ -682,7 +684,7 @@ torch::Tensor gguf_dequant_rows(torch::Tensor w, int64_t type, torch::Tensor ids
 }
 
 void bind_gguf_rows(pybind11::module& m) {
-  m.def("gguf_rows", &gguf_rows, "linear over a GGUF file's quantized blocks, batch-invariant", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_rows", &gguf_rows, "linear over a GGUF file's quantized blocks, batch-invariant", ReleaseGil());
   m.def("gguf_dequant_rows", &gguf_dequant_rows, "rows of a GGUF quantized tensor as the kernel computes with them",
         pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("ids"), pybind11::arg("K"), pybind11::arg("vector") = true);
 }

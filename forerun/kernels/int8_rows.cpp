@@ -241,20 +241,20 @@ bool has_vnni() {
 // The functions of this file and of the sources that module.cpp binds no other way (f32_rows.cpp,
 // int4_rows.cpp, attention_rows.cpp), put in the module.
 void bind_int8_rows(pybind11::module& m) {
-  m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows", pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int8_rows", &int8_rows, "int8 linear, activations int8 per group of 64, any number of rows", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows", ReleaseGil());
+  m.def("int8_rows", &int8_rows, "int8 linear, activations int8 per group of 64, any number of rows", ReleaseGil());
   m.def("int4_rows", &int4_rows, "linear over 4-bit group-quantised weights, activations int8 per group, any number of rows",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        ReleaseGil());
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   namespace py = pybind11;
-  m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time", pybind11::call_guard<pybind11::gil_scoped_release>(), py::arg("q"), py::arg("k"),
+  m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time", ReleaseGil(), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("rows"), py::arg("limits"), py::arg("scale"), py::arg("tables") = py::none());
-  m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits", pybind11::call_guard<pybind11::gil_scoped_release>(),
+  m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits", ReleaseGil(),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("rows"), py::arg("mask"), py::arg("scale"),
         py::arg("tables") = py::none());
   m.def("set_attention_reference", &set_attention_reference,
         "test switch: attention through its plain C++ definition (the SIMD paths give its bits); returns the old value");
-  m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call", pybind11::call_guard<pybind11::gil_scoped_release>(),
+  m.def("rope_write_attend", &rope_write_attend, "RoPE, KV cache write and chain attention of a layer, in one call", ReleaseGil(),
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k"), py::arg("v"), py::arg("rows"), py::arg("slots"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("scale"), py::arg("tables") = py::none());
   m.def("has_vnni", &has_vnni, "whether the dot product was compiled with AVX512-VNNI");

@@ -42,7 +42,13 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 
 bool set_attention_reference(bool on);  // test switch: every query through the plain C++ definition; returns the old value
 
-// Each source's Python bindings (module.cpp calls them all).
+// Each source's Python bindings (module.cpp calls them all). The compute calls release the GIL
+// while they run (ReleaseGil()): a layer stack holds a chunk of prefill for ~0.5 s, and with the
+// GIL held the server's event loop could not send a stream's token until the next chunk had run
+// too (a 6k-token newcomer's chunks put 1.0-1.2 s gaps into a running stream instead of ~0.55 s,
+// scripts/prefill_gap.py). They touch no Python object; arguments and results are converted with
+// the GIL held.
+using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 void bind_int8_rows(pybind11::module& m);
 void bind_layer_rows(pybind11::module& m);
 void bind_gguf_rows(pybind11::module& m);

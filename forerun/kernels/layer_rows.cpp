@@ -175,25 +175,20 @@ struct LayerStack {
   }
 };
 
-// The compute calls of every source release the GIL while they run (call_guard): a layer stack
-// holds a chunk of prefill for ~0.5 s, and with the GIL held the server's event loop could not
-// send a stream's token until the next chunk had run too (a 6k-token newcomer's chunks put
-// 1.0-1.2 s gaps into a running stream instead of ~0.55 s, scripts/prefill_gap.py). They touch
-// no Python object; arguments and results are converted with the GIL held.
 void bind_layer_rows(pybind11::module& m) {
   pybind11::class_<KernelLinear>(m, "KernelLinear")
       .def(pybind11::init<bool, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double,
                           int64_t>())
       .def_static("gguf", &KernelLinear::gguf, "a GGUFLinear's call: packed or row kernel, optional RMSNorm first")
-      .def("__call__", &KernelLinear::operator(), pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("__call__", &KernelLinear::operator(), ReleaseGil());
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<std::vector<KernelLinear>, int64_t, int64_t, double>())
-      .def("__call__", &LayerStack::operator(), "every layer's decoder_layer_rows in turn", pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
+      .def("__call__", &LayerStack::operator(), "every layer's decoder_layer_rows in turn", ReleaseGil(), pybind11::arg("x"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("rows"),
            pybind11::arg("slots"), pybind11::arg("tables") = pybind11::none());
   m.def("silu_mul_rows", &silu_mul_rows, "silu(gate) * up of gate_up's [gate | up], forerun's exp, any number of rows");
   namespace py = pybind11;
-  m.def("decoder_layer_rows", &decoder_layer_rows, "a chain's int8 / int4 / gguf decoder layer in one call (the same bits)", pybind11::call_guard<pybind11::gil_scoped_release>(),
+  m.def("decoder_layer_rows", &decoder_layer_rows, "a chain's int8 / int4 / gguf decoder layer in one call (the same bits)", ReleaseGil(),
         py::arg("x"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("cos"), py::arg("sin"),
         py::arg("k"), py::arg("v"), py::arg("rows"), py::arg("slots"), py::arg("heads"), py::arg("kv_heads"),
         py::arg("scale"), py::arg("tables") = py::none());

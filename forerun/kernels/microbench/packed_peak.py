@@ -48,7 +48,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     kernel = kernel_loader.load()
     rows, cols = 1024, 1536
-    print(f"packed Q4_K, {rows - 16} x {cols} in cache, {args.threads} thread(s), VNNI: {kernel.gguf_packed_vnni()}")
+    print(f"packed Q4_K, {rows - 16} x {cols} in cache, {args.threads} thread(s), SIMD: {kernel.gguf_packed_isa()}")
     for tokens in (int(t) for t in args.tokens.split(",")):
         t = seconds_per_call(kernel, rows, cols, tokens) - seconds_per_call(kernel, 16, cols, tokens)
         weights = (rows - 16) * cols
