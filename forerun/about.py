@@ -24,9 +24,10 @@ def int8_paths() -> dict[str, str]:
     if kernel is None:
         return {"int8 / int4": "refused (no compiled kernel)", "chain attention": "SDPA"}
     dots = "AVX512-VNNI" if kernel.has_vnni() else "plain C++ dot products"
+    int4 = kernel.int4_isa() if hasattr(kernel, "int4_isa") else "scalar"
     isa = kernel.gguf_packed_isa() if hasattr(kernel, "gguf_packed_isa") else "scalar"
     gguf = f"packed tiles of 16 rows, {isa}" if isa != "scalar" else "the file's row-major blocks (row kernel)"
-    return {"int8 / int4": f"forerun kernel, every size, -march={kernel_loader.MARCH}, {dots}",
+    return {"int8 / int4": f"forerun kernel, every size, -march={kernel_loader.MARCH}, int8 {dots}, int4 {int4}",
             "gguf": gguf, "chain attention": "per-query kernel"}
 
 

@@ -51,6 +51,38 @@ def test_rows_get_the_same_bits_alone_and_in_any_batch():
     assert torch.equal(lin(x.view(3, 7, 200)).view(21, 70), together)
 
 
+@pytest.mark.parametrize("in_f", [64, 200, 896])
+def test_the_simd_path_gives_the_plain_definitions_bits(in_f):
+    """int4_rows' SIMD path (AVX2 here, AVX512-VNNI where the build has it) against its plain C++
+    definition (reference=True), with torch.equal: 1 to 8 tokens a tile and more, a ragged last
+    group, weights at the grid's ends (u of 0 and 15), activations at the int8 grid's edges (a
+    group of zeros, one value dominating its group, full-scale values of both signs: the
+    products maddubs must not saturate on), a folded norm and a bias. So the bits are the same
+    on every ISA level the kernels build for (test_isa_levels.py runs this file on each)."""
+    torch.manual_seed(in_f)
+    src = torch.nn.Linear(in_f, 70)
+    with torch.no_grad():  # every other row on its grid's two ends only: u of 0 and 15
+        src.weight[::2] = torch.where(torch.arange(in_f) % 3 == 0, 4.0, -4.0)
+    lin = Int4Linear(src)
+    assert lin.u4_rows()[0, :in_f].unique().tolist() == [0, 15]
+    x = torch.randn(19, in_f) * 3
+    x[0, :64] = 0.0
+    x[1, 7] = 1e4
+    x[2] = torch.where(torch.arange(in_f) % 2 == 0, 50.0, -50.0)
+    kernel = kernel_loader.load()
+    w4, d, m = lin._packed
+    bias, norm = torch.randn(70), torch.rand(in_f) + 0.5
+
+    def rows(xs, reference=False):
+        return kernel.int4_rows(xs, w4, d, m, bias, norm, 1e-6, 70, reference=reference)
+
+    plain = rows(x, reference=True)
+    assert torch.equal(rows(x), plain)
+    for a, b in [(0, 1), (3, 5), (5, 8), (8, 12), (12, 19)]:  # tiles of 1, 2, 3, 4 and 7 tokens
+        assert torch.equal(rows(x[a:b]), plain[a:b])
+    assert kernel.int4_isa() in ("avx512-vnni", "avx2", "scalar")
+
+
 def test_weights_already_on_a_4_bit_grid_come_back_exactly():
     """A Q4_1 / Q4_K-style tensor (w = d u + m per 64 inputs, d and m float16) is recovered."""
     torch.manual_seed(1)

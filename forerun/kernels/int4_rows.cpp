@@ -23,11 +23,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define FORERUN_VNNI4 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FORERUN_INT4_AVX2 1
 #endif
 
 void quantize_groups_rows(const float* xp, int64_t N, int64_t K, int64_t Kp, const float* nw, double eps, int8_t* a,
@@ -50,6 +54,33 @@ static inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
+// The definition, in plain C++ (the path of a build without SIMD, and reference=True's on any
+// build): out[(b * TB + t) * 16 + l] = S for output block b of the chunk, token t, lane l.
+static void scalar_dots(int TB, int CB, const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
+                        const uint8_t* w, const uint16_t* d, const uint16_t* m, float* out) {
+  const int64_t block_bytes = G * VECS * 64;
+  for (int b = 0; b < CB; ++b)
+    for (int t = 0; t < TB; ++t)
+      for (int l = 0; l < OUT_BLOCK; ++l) {
+        const uint8_t* wb = w + b * block_bytes;
+        float s = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t dp = 0;
+          for (int i = 0; i < VECS; ++i)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = wb[(g * VECS + i) * 64 + 4 * l + j];
+              dp += int32_t(a[t * Kp + g * GROUP + 8 * i + j]) * int32_t(byte & 0x0F);
+              dp += int32_t(a[t * Kp + g * GROUP + 8 * i + 4 + j]) * int32_t(byte >> 4);
+            }
+          const float ms = half_to_float(m[(b * G + g) * OUT_BLOCK + l]) * sa[t * G + g];
+          const float gj = std::fma(static_cast<float>(dp), half_to_float(d[(b * G + g) * OUT_BLOCK + l]), ms);
+          s = std::fma(gj, sg[t * G + g], s);
+        }
+        out[(b * TB + t) * OUT_BLOCK + l] = s;
+      }
+}
+
+#ifdef FORERUN_VNNI4
 // out[(b * TB + t) * 16 + l] = S for output block b of the chunk (CHUNK_BLOCKS blocks of 16
 // outputs), token t (of TB) and lane l. Each 64-byte weight load serves every token of the
 // tile; each token's 4 activation bytes are broadcast once for the CB blocks (CB = 2 for 1-2
@@ -64,7 +95,6 @@ template <int TB, bool SPLIT, int CB>
 static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
                               const uint8_t* w, const uint16_t* d, const uint16_t* m, float* out) {
   const int64_t block_bytes = G * VECS * 64;
-#ifdef FORERUN_VNNI4
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   __m512 facc[CB][TB];
   for (int b = 0; b < CB; ++b)
@@ -112,27 +142,6 @@ static inline void chunk_dots(const int8_t* a, int64_t Kp, const float* sa, cons
   }
   for (int b = 0; b < CB; ++b)
     for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + (b * TB + t) * OUT_BLOCK, facc[b][t]);
-#else
-  for (int b = 0; b < CB; ++b)
-    for (int t = 0; t < TB; ++t)
-      for (int l = 0; l < OUT_BLOCK; ++l) {
-        const uint8_t* wb = w + b * block_bytes;
-        float s = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          int32_t dp = 0;
-          for (int i = 0; i < VECS; ++i)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = wb[(g * VECS + i) * 64 + 4 * l + j];
-              dp += int32_t(a[t * Kp + g * GROUP + 8 * i + j]) * int32_t(byte & 0x0F);
-              dp += int32_t(a[t * Kp + g * GROUP + 8 * i + 4 + j]) * int32_t(byte >> 4);
-            }
-          const float ms = half_to_float(m[(b * G + g) * OUT_BLOCK + l]) * sa[t * G + g];
-          const float gj = std::fma(static_cast<float>(dp), half_to_float(d[(b * G + g) * OUT_BLOCK + l]), ms);
-          s = std::fma(gj, sg[t * G + g], s);
-        }
-        out[(b * TB + t) * OUT_BLOCK + l] = s;
-      }
-#endif
 }
 
 // Many tokens: one output block at a time (TB accumulators + TB float sums stay in registers).
@@ -143,11 +152,116 @@ static inline void one_by_one(const int8_t* a, int64_t Kp, const float* sa, cons
     chunk_dots<TB, false, 1>(a, Kp, sa, sg, G, w + b * G * VECS * 64, d + b * G * OUT_BLOCK, m + b * G * OUT_BLOCK,
                              out + b * TB * OUT_BLOCK);
 }
+#endif
+
+#ifdef FORERUN_INT4_AVX2
+// AVX2 (with FMA and F16C): the same operations 8 outputs at a time, half of each 64-byte
+// vector. vpdpbusd's exact int32 sums come from maddubs + madd: maddubs multiplies a nibble
+// (0..15) by an activation byte (-127..127) and adds pairs, |pair| <= 3810, so it never
+// saturates, nor does the low and high planes' int16 sum (<= 7620); madd with ones adds pairs
+// of those into int32 lanes: the 8 products a VNNI lane sums, exactly. The float operations are
+// the VNNI path's, lane for lane, so the bits are the definition's (tests/test_int4.py compares
+// them with torch.equal). TB tokens x H halves of one output block, TB * H <= 4 (int and float
+// accumulators for each, and the nibble planes, fit AVX2's 16 registers).
+template <int TB, int H>
+static inline void avx2_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
+                             const uint8_t* w, const uint16_t* d, const uint16_t* m, int h0, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 facc[H][TB];
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < TB; ++t) facc[h][t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[H][TB];
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < TB; ++t) acc[h][t] = _mm256_setzero_si256();
+    if (h0 == 0)  // one pass a block asks for its weights ahead (past its end: the next block's)
+      for (int i = 0; i < VECS; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + ((g + PREFETCH_GROUPS) * VECS + i) * 64), _MM_HINT_T1);
+    for (int i = 0; i < VECS; ++i) {
+      __m256i lo[H], hi[H];
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * VECS + i) * 64 + (h0 + h) * 32));
+        lo[h] = _mm256_and_si256(v, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int t = 0; t < TB; ++t) {
+        int32_t a0, a1;
+        std::memcpy(&a0, a + t * Kp + g * GROUP + 8 * i, 4);
+        std::memcpy(&a1, a + t * Kp + g * GROUP + 8 * i + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(a0), x1 = _mm256_set1_epi32(a1);
+        for (int h = 0; h < H; ++h) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
+          acc[h][t] = _mm256_add_epi32(acc[h][t], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const int64_t at = g * OUT_BLOCK + (h0 + h) * 8;
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + at)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + at)));
+      for (int t = 0; t < TB; ++t) {
+        const __m256 ms = _mm256_mul_ps(mv, _mm256_set1_ps(sa[t * G + g]));
+        const __m256 gj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][t]), dv, ms);
+        facc[h][t] = _mm256_fmadd_ps(gj, _mm256_set1_ps(sg[t * G + g]), facc[h][t]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + t * OUT_BLOCK + (h0 + h) * 8, facc[h][t]);
+}
+
+// One output block, TB tokens: 1-2 tokens both halves in one pass (one token: each weight line
+// read once, the bandwidth-bound decode step); more, a half at a time in passes of up to 4 tokens
+// (the block's weights, a few KB, come back from L1 / L2).
+template <int TB>
+static void avx2_block(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
+                       const uint8_t* w, const uint16_t* d, const uint16_t* m, float* out) {
+  if constexpr (TB <= 2) {
+    avx2_dots<TB, 2>(a, Kp, sa, sg, G, w, d, m, 0, out);
+  } else if constexpr (TB <= 4) {
+    avx2_dots<TB, 1>(a, Kp, sa, sg, G, w, d, m, 0, out);
+    avx2_dots<TB, 1>(a, Kp, sa, sg, G, w, d, m, 1, out);
+  } else {
+    avx2_block<4>(a, Kp, sa, sg, G, w, d, m, out);
+    avx2_block<TB - 4>(a + 4 * Kp, Kp, sa + 4 * G, sg + 4 * G, G, w, d, m, out + 4 * OUT_BLOCK);
+  }
+}
+#endif
+
+// The chunk's CHUNK_BLOCKS output blocks for TB tokens, out[(b * TB + t) * 16 + l], on the
+// build's SIMD path (or the definition where it has none, or where reference is asked for).
+template <int TB>
+static void tile_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G, const uint8_t* w,
+                      const uint16_t* d, const uint16_t* m, float* out, bool reference) {
+  if (reference) return scalar_dots(TB, CHUNK_BLOCKS, a, Kp, sa, sg, G, w, d, m, out);
+#if defined(FORERUN_VNNI4)
+  if constexpr (TB <= 2) chunk_dots<TB, true, CHUNK_BLOCKS>(a, Kp, sa, sg, G, w, d, m, out);
+  else one_by_one<TB>(a, Kp, sa, sg, G, w, d, m, out);
+#elif defined(FORERUN_INT4_AVX2)
+  for (int b = 0; b < CHUNK_BLOCKS; ++b)
+    avx2_block<TB>(a, Kp, sa, sg, G, w + b * G * VECS * 64, d + b * G * OUT_BLOCK, m + b * G * OUT_BLOCK,
+                   out + b * TB * OUT_BLOCK);
+#else
+  scalar_dots(TB, CHUNK_BLOCKS, a, Kp, sa, sg, G, w, d, m, out);
+#endif
+}
+
+// Which SIMD path int4_rows takes on this build: "avx512-vnni", "avx2" or "scalar".
+std::string int4_isa() {
+#if defined(FORERUN_VNNI4)
+  return "avx512-vnni";
+#elif defined(FORERUN_INT4_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 // x [..., K] float32; w [Mp/16, G, 8, 64] uint8; d, m [Mp/16, G, 16] float16;
 // bias [M] or empty; norm_w [K] or empty (an RMSNorm folded in first) -> [..., M] float32.
+// reference: the plain C++ definition on any build (for the tests: the SIMD paths give its bits).
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m,
-                        torch::Tensor bias, torch::Tensor norm_w, double eps, int64_t M) {
+                        torch::Tensor bias, torch::Tensor norm_w, double eps, int64_t M, bool reference) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "x: float32 [..., K]");
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == VECS &&
               w.size(3) == 64 && w.size(0) % CHUNK_BLOCKS == 0, "w: packed uint8 [Mp/16, G, 8, 64], Mp % 32 == 0");
@@ -185,14 +299,14 @@ torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, to
         const int8_t* qt = act.data() + t0 * Kp;
         const float *st = sa.data() + t0 * G, *gt = sg.data() + t0 * G;
         switch (TB) {
-          case 1: chunk_dots<1, true, 2>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
-          case 2: chunk_dots<2, true, 2>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
-          case 3: one_by_one<3>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
-          case 4: one_by_one<4>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
-          case 5: one_by_one<5>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
-          case 6: one_by_one<6>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
-          case 7: one_by_one<7>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
-          default: one_by_one<8>(qt, Kp, st, gt, G, wc, dc, mc, acc); break;
+          case 1: tile_dots<1>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
+          case 2: tile_dots<2>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
+          case 3: tile_dots<3>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
+          case 4: tile_dots<4>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
+          case 5: tile_dots<5>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
+          case 6: tile_dots<6>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
+          case 7: tile_dots<7>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
+          default: tile_dots<8>(qt, Kp, st, gt, G, wc, dc, mc, acc, reference); break;
         }
         for (int b = 0; b < CHUNK_BLOCKS; ++b) {
           const int64_t j0 = (b0 + b) * OUT_BLOCK, n = std::min<int64_t>(OUT_BLOCK, M - j0);

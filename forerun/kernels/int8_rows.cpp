@@ -243,10 +243,12 @@ bool has_vnni() {
 void bind_int8_rows(pybind11::module& m) {
   m.def("f32_rows", &f32_rows, "float32 linear, one FMA chain per output: the same bits for any number of rows", ReleaseGil());
   m.def("int8_rows", &int8_rows, "int8 linear, activations int8 per group of 64, any number of rows", ReleaseGil());
-  m.def("int4_rows", &int4_rows, "linear over 4-bit group-quantised weights, activations int8 per group, any number of rows",
-        ReleaseGil());
-  m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   namespace py = pybind11;
+  m.def("int4_rows", &int4_rows, "linear over 4-bit group-quantised weights, activations int8 per group, any number of rows "
+        "(reference: the plain C++ definition)", ReleaseGil(), py::arg("x"), py::arg("w"), py::arg("d"), py::arg("m"),
+        py::arg("bias"), py::arg("norm_w"), py::arg("eps"), py::arg("M"), py::arg("reference") = false);
+  m.def("int4_isa", &int4_isa, "the SIMD path int4_rows takes on this build: avx512-vnni, avx2 or scalar");
+  m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time", ReleaseGil(), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("rows"), py::arg("limits"), py::arg("scale"), py::arg("tables") = py::none());
   m.def("attend_masked", &attend_masked, "attention under a mask (token trees), one query at a time, a chain's bits", ReleaseGil(),

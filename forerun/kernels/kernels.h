@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 // int8_rows.cpp
@@ -17,7 +18,8 @@ bool has_vnni();
 
 // int4_rows.cpp
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
-                        torch::Tensor norm_w, double eps, int64_t M);
+                        torch::Tensor norm_w, double eps, int64_t M, bool reference = false);
+std::string int4_isa();
 
 // f32_rows.cpp
 torch::Tensor f32_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, int64_t M);
