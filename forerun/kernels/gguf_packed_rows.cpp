@@ -585,8 +585,16 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
   // with its scale by madd (each row's scale in both 16-bit halves of its lane): the exact
   // int32 sum_s sc_s * dot_s the VNNI path gets with vpdpbusd and mullo; Q6_K's 32 x bsum
   // term taken off per sub-block after. The float operations are the VNNI path's.
+  // A sub-block's weights are unpacked once into registers (2 x VECS vectors) and each token's
+  // dot product runs over them in turn: one token's partial sums live at a time, so nothing
+  // spills (unrolled over tokens, GCC kept every token's products on the stack). A token sums
+  // SUM16_VECS vectors' maddubs results in int16 before the scale's madd: exact while a lane's
+  // sum stays in int16 (activations in [-127, 127]: Q4_K 8 pairs of at most 2 x 15 x 127 =
+  // 30480, Q5_K 4 x 2 x 31 x 127 = 31496, Q6_K 2 x 2 x 63 x 127 = 32004), the same int32 sums.
   const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
   constexpr int SUBS = k_min(TYPE) ? 8 : 16, VECS = 32 / SUBS;  // nibble vectors per sub-block
+  constexpr int SUM16_VECS = TYPE == Q4_K ? 4 : TYPE == Q5_K ? 2 : 1;
+  static_assert(VECS % SUM16_VECS == 0, "a sub-block's vectors in whole int16 groups");
   for (int h = 0; h < 2; ++h) {
     __m256 acc[TB];
     for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
@@ -600,20 +608,34 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
         const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc32, low16), _mm256_slli_epi32(sc32, 16));
         __m256i hv = _mm256_setzero_si256();
         if constexpr (P.hi >= 0) hv = load32(blk + P.hi + 64 * s + 32 * h);
+        __m256i lo[VECS], hi[VECS];
         for (int v = 0; v < VECS; ++v) {
           const __m256i x = load32(blk + 64 * (VECS * s + v) + 32 * h);
-          __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+          lo[v] = _mm256_and_si256(x, m4);
+          hi[v] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
           if constexpr (TYPE == Q6_K) {  // as the VNNI path: bit pairs 4v and 4v + 2 to bits 4-5
             const __m256i h0 = v == 0 ? _mm256_slli_epi16(hv, 4) : hv;
             const __m256i h1 = v == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
-            lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m30));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m30));
+            lo[v] = _mm256_or_si256(lo[v], _mm256_and_si256(h0, m30));
+            hi[v] = _mm256_or_si256(hi[v], _mm256_and_si256(h1, m30));
           }
           if constexpr (TYPE == Q5_K) {
-            lo = _mm256_or_si256(lo, fifth_bit(hv, 2 * v));
-            hi = _mm256_or_si256(hi, fifth_bit(hv, 2 * v + 1));
+            lo[v] = _mm256_or_si256(lo[v], fifth_bit(hv, 2 * v));
+            hi[v] = _mm256_or_si256(hi[v], fifth_bit(hv, 2 * v + 1));
           }
-          nibble_pair_dots<TB>(lo, hi, sc16, qa + b * QK + 8 * (VECS * s + v), K, isum);
+        }
+        const int8_t* xs = qa + b * QK + 8 * VECS * s;
+        for (int t = 0; t < TB; ++t) {
+          const int8_t* a = xs + t * K;
+          __m256i dot = _mm256_setzero_si256();
+          for (int g = 0; g < VECS; g += SUM16_VECS) {
+            __m256i p = _mm256_setzero_si256();
+            for (int v = g; v < g + SUM16_VECS; ++v)
+              p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], bcst4(a + 8 * v)),
+                                                       _mm256_maddubs_epi16(hi[v], bcst4(a + 8 * v + 4))));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, sc16));
+          }
+          isum[t] = _mm256_add_epi32(isum[t], dot);
         }
         if constexpr (TYPE == Q6_K)
           for (int t = 0; t < TB; ++t)
