@@ -58,12 +58,13 @@ def test_the_simd_path_gives_the_plain_definitions_bits(t):
     if t == T.Q8_0:  # d, then 32 int8: every other value -128
         raw = parts[0].data.view(-1, 34)
         raw[::3, 2::2] = 128
-    # K-quants: row 0's quants all at their largest (15, 31, 63): with activations of one sign at
-    # full scale (rows 3 and 4) the AVX2 path's int16 partial sums reach their bound
-    quant_bytes = {T.Q4_K: (144, 16, 144), T.Q5_K: (176, 16, 176), T.Q6_K: (210, 0, 192)}
+    # row 0's quants all at their largest (15, 31, 63): with activations of one sign at full
+    # scale (rows 3 and 4) the AVX2 path's int16 partial sums reach their bound
+    quant_bytes = {T.Q4_K: (144, 16, 144), T.Q5_K: (176, 16, 176), T.Q6_K: (210, 0, 192),
+                   T.Q4_0: (18, 2, 18), T.Q4_1: (20, 4, 20), T.Q5_0: (22, 2, 22), T.Q5_1: (24, 4, 24)}
     if t in quant_bytes:
         size, start, end = quant_bytes[t]
-        parts[0].data.view(-1, size)[: k // 256, start:end] = 0xFF
+        parts[0].data.view(-1, size)[: k // NATIVE_TYPES[int(t)][0], start:end] = 0xFF
     x = torch.randn(19, k) * 3
     x[0, :256] = 0.0
     x[1, 7] = 1e4

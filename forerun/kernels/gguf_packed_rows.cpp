@@ -337,18 +337,6 @@ __attribute__((always_inline)) inline __m256 half8(const uint8_t* p) {  // 8 f16
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// dot[t] += the 8 rows' 4 unsigned bytes of lo (inputs k..k+3) and of hi (k+4..k+7) . token t's
-// signed bytes, each pair of products times its row's scale (scale16: the scale in both 16-bit
-// halves of a row's lane; ones for the legacy types). Exact in int32.
-template <int TB>
-__attribute__((always_inline)) inline void nibble_pair_dots(__m256i lo, __m256i hi, __m256i scale16, const int8_t* a,
-                                                            int64_t K, __m256i* dot) {
-  for (int t = 0; t < TB; ++t) {
-    dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcst4(a + t * K)), scale16));
-    dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcst4(a + t * K + 4)), scale16));
-  }
-}
-
 __attribute__((always_inline)) inline __m256i fifth_bit(__m256i h, int bit) {
   return _mm256_and_si256(bit <= 4 ? _mm256_slli_epi16(h, 4 - bit) : _mm256_srli_epi16(h, bit - 4), _mm256_set1_epi8(16));
 }
@@ -480,23 +468,44 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
       __m256i dot[TB];
       for (int t = 0; t < TB; ++t) dot[t] = _mm256_setzero_si256();
       const int8_t* xb = qa + b * 32;
+      // As the K-quant tiles: the block's weights in registers once, then each token's dot
+      // product over them (GCC spills less than with every token's products in flight).
       if constexpr (TYPE == Q8_0) {
-        for (int v = 0; v < 8; ++v) {
-          const __m256i u = load32(blk + 64 * v + 32 * h), au = _mm256_abs_epi8(u);
+        for (int v0 = 0; v0 < 8; v0 += 4) {  // 4 vectors and their magnitudes: 8 registers
+          __m256i u[4], au[4];
+          for (int v = 0; v < 4; ++v) {
+            u[v] = load32(blk + 64 * (v0 + v) + 32 * h);
+            au[v] = _mm256_abs_epi8(u[v]);
+          }
           for (int t = 0; t < TB; ++t)
-            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(bcst4(xb + t * K + 4 * v), u)), ones));
+            for (int v = 0; v < 4; ++v)
+              dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(au[v], _mm256_sign_epi8(bcst4(xb + t * K + 4 * (v0 + v)), u[v])), ones));
         }
       } else {
+        // A lane sums SUM16 vectors' maddubs results in int16 before the madd by ones: values of
+        // 4 bits 8 pairs of at most 2 x 15 x 127 (30480), of 5 bits 4 pairs (4 x 2 x 31 x 127 = 31496).
+        constexpr int SUM16 = P.hi >= 0 ? 2 : 4;
         __m256i hv = _mm256_setzero_si256();
         if constexpr (P.hi >= 0) hv = load32(blk + P.hi + 32 * h);
+        __m256i lo[4], hi[4];
         for (int v = 0; v < 4; ++v) {
           const __m256i x = load32(blk + 64 * v + 32 * h);
-          __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+          lo[v] = _mm256_and_si256(x, m4);
+          hi[v] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
           if constexpr (P.hi >= 0) {
-            lo = _mm256_or_si256(lo, fifth_bit(hv, 2 * v));
-            hi = _mm256_or_si256(hi, fifth_bit(hv, 2 * v + 1));
+            lo[v] = _mm256_or_si256(lo[v], fifth_bit(hv, 2 * v));
+            hi[v] = _mm256_or_si256(hi[v], fifth_bit(hv, 2 * v + 1));
           }
-          nibble_pair_dots<TB>(lo, hi, ones, xb + 8 * v, K, dot);
+        }
+        for (int t = 0; t < TB; ++t) {
+          const int8_t* a = xb + t * K;
+          for (int g = 0; g < 4; g += SUM16) {
+            __m256i p = _mm256_setzero_si256();
+            for (int v = g; v < g + SUM16; ++v)
+              p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], bcst4(a + 8 * v)),
+                                                       _mm256_maddubs_epi16(hi[v], bcst4(a + 8 * v + 4))));
+            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(p, ones));
+          }
         }
       }
       constexpr int32_t OFF = TYPE == Q8_0 ? 0 : int32_t(P.off);
