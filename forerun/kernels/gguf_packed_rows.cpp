@@ -340,6 +340,25 @@ __attribute__((always_inline)) inline __m256 half8(const uint8_t* p) {  // 8 f16
 __attribute__((always_inline)) inline __m256i fifth_bit(__m256i h, int bit) {
   return _mm256_and_si256(bit <= 4 ? _mm256_slli_epi16(h, 4 - bit) : _mm256_srli_epi16(h, bit - 4), _mm256_set1_epi8(16));
 }
+
+// One token's dot product over VECS pairs of unpacked weight vectors held in registers (lo[v]:
+// inputs 8v..8v+3 of 8 rows, hi[v]: 8v+4..8v+7; a: the token's input 0): each group of SUM16
+// pairs' maddubs results summed in int16, then one madd by `scale` (a row's 16-bit factor in
+// both halves of its lane: a sub-block's scale, or ones) -> int32 lanes, exact while a group's
+// sums stay in int16 (the callers' bounds). The K-quant and legacy AVX2 tiles both call it.
+template <int VECS, int SUM16>
+__attribute__((always_inline)) inline __m256i nibble_dot(const __m256i* lo, const __m256i* hi, const int8_t* a, __m256i scale) {
+  static_assert(VECS % SUM16 == 0, "whole int16 groups");
+  __m256i dot = _mm256_setzero_si256();
+  for (int g = 0; g < VECS; g += SUM16) {
+    __m256i p = _mm256_setzero_si256();
+    for (int v = g; v < g + SUM16; ++v)
+      p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], bcst4(a + 8 * v)),
+                                               _mm256_maddubs_epi16(hi[v], bcst4(a + 8 * v + 4))));
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, scale));
+  }
+  return dot;
+}
 #endif
 
 // The packed kernels' definition, one lane and token at a time: what the SIMD paths compute,
@@ -497,16 +516,7 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
             hi[v] = _mm256_or_si256(hi[v], fifth_bit(hv, 2 * v + 1));
           }
         }
-        for (int t = 0; t < TB; ++t) {
-          const int8_t* a = xb + t * K;
-          for (int g = 0; g < 4; g += SUM16) {
-            __m256i p = _mm256_setzero_si256();
-            for (int v = g; v < g + SUM16; ++v)
-              p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], bcst4(a + 8 * v)),
-                                                       _mm256_maddubs_epi16(hi[v], bcst4(a + 8 * v + 4))));
-            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(p, ones));
-          }
-        }
+        for (int t = 0; t < TB; ++t) dot[t] = _mm256_add_epi32(dot[t], nibble_dot<4, SUM16>(lo, hi, xb + t * K, ones));
       }
       constexpr int32_t OFF = TYPE == Q8_0 ? 0 : int32_t(P.off);
       const __m256 dv = half8(blk + P.d + 16 * h);
@@ -603,7 +613,6 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
   const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
   constexpr int SUBS = k_min(TYPE) ? 8 : 16, VECS = 32 / SUBS;  // nibble vectors per sub-block
   constexpr int SUM16_VECS = TYPE == Q4_K ? 4 : TYPE == Q5_K ? 2 : 1;
-  static_assert(VECS % SUM16_VECS == 0, "a sub-block's vectors in whole int16 groups");
   for (int h = 0; h < 2; ++h) {
     __m256 acc[TB];
     for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
@@ -634,18 +643,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
           }
         }
         const int8_t* xs = qa + b * QK + 8 * VECS * s;
-        for (int t = 0; t < TB; ++t) {
-          const int8_t* a = xs + t * K;
-          __m256i dot = _mm256_setzero_si256();
-          for (int g = 0; g < VECS; g += SUM16_VECS) {
-            __m256i p = _mm256_setzero_si256();
-            for (int v = g; v < g + SUM16_VECS; ++v)
-              p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], bcst4(a + 8 * v)),
-                                                       _mm256_maddubs_epi16(hi[v], bcst4(a + 8 * v + 4))));
-            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, sc16));
-          }
-          isum[t] = _mm256_add_epi32(isum[t], dot);
-        }
+        for (int t = 0; t < TB; ++t) isum[t] = _mm256_add_epi32(isum[t], nibble_dot<VECS, SUM16_VECS>(lo, hi, xs + t * K, sc16));
         if constexpr (TYPE == Q6_K)
           for (int t = 0; t < TB; ++t)
             isum[t] = _mm256_sub_epi32(isum[t], _mm256_mullo_epi32(sc32, _mm256_set1_epi32(b32[t * (K / 16) + b * 16 + s])));
