@@ -60,7 +60,7 @@ struct KernelLinear {
 // polynomial (about 1 ulp on the range silu meets). silu_mul1 is the definition; the vector
 // forms run its IEEE operations lane for lane (AVX-512: 16 lanes, 2^n by scalef; AVX2: 8 lanes,
 // 2^n as two exact powers of two, so the product rounds once, as ldexp does) and give its bits:
-// tests/test_layer_rows.py holds each to it with torch.equal. Every element of a build takes the
+// tests/test_int8_identity.py holds each to it bit for bit. Every element of a build takes the
 // same path (a masked tail, never a scalar one), so a token's values never depend on where in a
 // row or a batch it sits.
 constexpr float EXP_LOG2E = 1.44269504088896341f, EXP_C1 = 0.693359375f, EXP_C2 = -2.12194440e-4f;
@@ -104,7 +104,7 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
   __m256 p = _mm256_set1_ps(EXP_P[0]);
   for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  // y 2^n with n in [-151, 129]: y 2^n1 (n1 = n >> 1, in [-76, 64]) is exact, as y is in
+  // y 2^n with n in [-150, 128]: y 2^n1 (n1 = n >> 1, in [-75, 64]) is exact, as y is in
   // [0.7, 1.5]; times 2^(n - n1) it rounds once, to a subnormal, 0 or inf where ldexp does
   const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
   const __m256i bias = _mm256_set1_epi32(127);
