@@ -15,6 +15,11 @@ DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "float64", "gguf")
 ACCEPTANCE = ("exact", "typical_lossy")  # the lossy rule says so in its name
 
 
+# A repetition penalty divides positive logits: below this the quotient leaves float32 (a
+# penalty of 1e-300 is 0 there, and l / 0 is inf or NaN), and nobody means a value so small.
+MIN_REPETITION_PENALTY = 0.01
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each token. temperature == 0 means greedy (argmax).
@@ -66,8 +71,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ConfigError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise ConfigError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], got {self.repetition_penalty}")
         for tok, bias in (self.logit_bias or {}).items():
             if not isinstance(tok, int) or tok < 0 or not -100.0 <= bias <= 100.0:
                 raise ConfigError(f"logit_bias maps token ids (integers >= 0) to values in [-100, 100], got {tok!r}: {bias!r}")

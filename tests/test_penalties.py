@@ -32,9 +32,25 @@ def test_each_position_counts_the_draft_tokens_before_it():
 
 
 def test_bad_values_are_refused():
-    for kw in ({"frequency_penalty": 3.0}, {"repetition_penalty": 0.0}, {"logit_bias": {-1: 1.0}}, {"logit_bias": {2: 500.0}}):
+    for kw in ({"frequency_penalty": 3.0}, {"repetition_penalty": 0.0}, {"repetition_penalty": 3e-268},
+               {"logit_bias": {-1: 1.0}}, {"logit_bias": {2: 500.0}}):
         with pytest.raises(ConfigError):
             SamplingParams(**kw)
+
+
+def test_the_smallest_repetition_penalty_keeps_probabilities_finite():
+    """At the least penalty accepted, float32 logits of a real model's size (|l| <= 40) divided by
+    it stay finite, and so do the probabilities sampled from (a penalty that rounds to 0 in float32
+    gave inf / NaN and a 500)."""
+    from forerun.config import MIN_REPETITION_PENALTY
+
+    params = SamplingParams(temperature=0.7, repetition_penalty=MIN_REPETITION_PENALTY)
+    s = Sequence(0, [1, 2, 3, 4], prompt_len=2, max_new=10)
+    s.penalties = Penalties.of(params)
+    raw = torch.linspace(-40.0, 40.0, 64).repeat(1, 2, 1)
+    out = apply(raw, raw, [s], [Draft([5])])
+    probs = logits_to_probs(out, params)
+    assert torch.isfinite(out).all() and torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1, 2))
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 9, 9], [30, 1, 30, 1, 30, 2, 7, 7, 8, 30, 1]]

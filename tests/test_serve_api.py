@@ -88,6 +88,7 @@ BAD = [
     ({"prompt": "x", "frequency_penalty": False}, 400),  # False == 0, but not a number (found by the fuzz test)
     ({"prompt": "x", "presence_penalty": 2.5}, 400),  # outside OpenAI's [-2, 2]
     ({"prompt": "x", "repetition_penalty": 0}, 400),
+    ({"prompt": "x", "repetition_penalty": 3.269336093310707e-268}, 400),  # 0 in float32: l / 0 (found by the fuzz test)
     ({"prompt": "x", "logit_bias": {"abc": 1}}, 400),
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, 400),  # past the vocabulary

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from forerun.config import MIN_REPETITION_PENALTY
+
 MAX_STOPS = 4
 UNUSED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "reasoning_effort", "user")
 STRUCTURED_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -48,7 +50,7 @@ class Sampling(Strict):
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, allow_inf_nan=False)  # vLLM's
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=2.0, allow_inf_nan=False)  # vLLM's
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)  # token id (as text) -> [-100, 100]
     # OpenAI fields forerun accepts and does not use (named in the server's log, one line a request)
     store: bool | None = None
