@@ -56,6 +56,7 @@ def test_speculation_per_request_including_off(client):
     assert off.model_extra["forerun"]["drafted"] == 0 and on["drafted"] > 0
     assert k1.model_extra["forerun"]["drafted"] <= k1.model_extra["forerun"]["verifier_forwards"]
     assert off.choices[0].text == client.completions.create(**kw).choices[0].text == k1.choices[0].text  # greedy: exact
+    assert on["prefill_s"] > 0 and on["decode_s"] > 0  # the server's own clock (bench/structured.py reads it)
 
 
 def test_stop_strings_are_cut(server):

@@ -1,7 +1,8 @@
 """Structured-output workloads against OpenAI-style servers: JSON extraction with a strict
 `json_schema`, and tool calls with `tool_choice: required`, built at run time from the Python
 standard library's function docstrings (never stored). Per server: seconds per request,
-completion tokens per second end to end, share of outputs that validate, and which outputs
+completion tokens per second end to end and while decoding (the server's own clock: forerun's
+`prefill_s` / `decode_s`, llama-server's `timings`), share of outputs that validate, and which outputs
 are identical to the first server's (plain decoding first: speculation must not change a
 token).
 
@@ -102,16 +103,31 @@ def ask(client: httpx.Client, kind: str, source: str, max_tokens: int) -> dict:
         ok = valid(json.loads(text))
     except ValueError:
         ok = False
+    prefill_s, decode_s = server_clock(reply)
     return {"seconds": seconds, "tokens": reply["usage"]["completion_tokens"], "text": text, "valid": ok,
-            "finish": choice["finish_reason"], "forerun": reply.get("forerun")}
+            "finish": choice["finish_reason"], "forerun": reply.get("forerun"), "prefill_s": prefill_s, "decode_s": decode_s}
+
+
+def server_clock(reply: dict) -> tuple[float | None, float | None]:
+    """(seconds of prompt, seconds of decoding) as the server timed them: forerun's `forerun`
+    field, llama-server's `timings` (milliseconds); None where the server does not say."""
+    ours, theirs = reply.get("forerun") or {}, reply.get("timings") or {}
+    if "decode_s" in ours:
+        return ours.get("prefill_s"), ours["decode_s"]
+    if "predicted_ms" in theirs:
+        return theirs.get("prompt_ms", 0.0) / 1e3, theirs["predicted_ms"] / 1e3
+    return None, None
 
 
 def summary(runs: list[dict], reference: list[dict]) -> dict:
     finished = [r for r in runs if r["finish"] != "length"]
     tau = [r["forerun"].get("mean_accepted_length") for r in runs if r.get("forerun")]
     forced = sum(r["forerun"].get("forced", 0) for r in runs if r.get("forerun")) if tau else None
+    timed = all(r.get("decode_s") for r in runs)
     return {"requests": len(runs), "s_per_request": round(statistics.mean(r["seconds"] for r in runs), 2),
             "tok_s": round(sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs), 2),
+            "decode_tok_s": round(sum(r["tokens"] for r in runs) / sum(r["decode_s"] for r in runs), 2) if timed else None,
+            "prefill_s": round(statistics.mean(r["prefill_s"] or 0.0 for r in runs), 3) if timed else None,
             "valid_share": round(sum(r["valid"] for r in finished) / max(1, len(finished)), 3),
             "cut_at_max_tokens": len(runs) - len(finished),
             "identical_to_first": sum(r["text"] == q["text"] for r, q in zip(runs, reference)),

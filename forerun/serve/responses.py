@@ -145,7 +145,7 @@ def spec_summary(last: Event) -> dict | None:
         return None
     return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
             "mean_accepted_length": round(s.mean_accepted_length, 4), "verifier_forwards": s.verifier_forwards,
-            "forced": s.forced}
+            "forced": s.forced, "prefill_s": round(s.prefill_time, 4), "decode_s": round(s.decode_time, 4)}
 
 
 def sse(body: dict) -> str:
