@@ -579,6 +579,25 @@ static inline float lane_sum8(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+// lane_sum8 of four keys' (lo, hi) at once, its adds on the same operands in the same tree
+// (s8 = lo + hi; then lanes l + (l+4), l + (l+2), l + (l+1)) with the four trees side by side
+// in shuffled vectors: out[r] gets lane_sum8(lo[r], hi[r])'s bits, in 23 vector operations
+// where four lane_sum8 take 28 and four scalar stores.
+static inline void lane_sum8x4(const __m256* lo, const __m256* hi, float* out) {
+  __m256 s8[4];
+  for (int r = 0; r < 4; ++r) s8[r] = _mm256_add_ps(lo[r], hi[r]);
+  // [s4 of key 0 | s4 of key 1] and [key 2 | key 3]: low 4 lanes + high 4 lanes of each s8
+  const __m256 a = _mm256_add_ps(_mm256_permute2f128_ps(s8[0], s8[1], 0x20), _mm256_permute2f128_ps(s8[0], s8[1], 0x31));
+  const __m256 b = _mm256_add_ps(_mm256_permute2f128_ps(s8[2], s8[3], 0x20), _mm256_permute2f128_ps(s8[2], s8[3], 0x31));
+  // per 128-bit half, s4[l] + s4[l+2]: [s2 key 0, s2 key 2 | s2 key 1, s2 key 3]
+  const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  // s2[0] + s2[1]: [key 0, key 2, ., . | key 1, key 3, ., .]
+  const __m256 d = _mm256_add_ps(_mm256_shuffle_ps(c, c, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(c, c, _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm_storeu_ps(out, _mm_unpacklo_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1)));
+}
+
+// R keys' scores for one query: per key the two 8-lane halves of attend_one_scalar's 16-lane
+// FMA chain over D, then its lane sum.
 template <int R>
 static inline void dots_avx2(const float* a, const float* const* b, int64_t D, float* out) {
   __m256 lo[R], hi[R];
@@ -590,7 +609,9 @@ static inline void dots_avx2(const float* a, const float* const* b, int64_t D, f
       hi[r] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(b[r] + d + 8), hi[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = lane_sum8(lo[r], hi[r]);
+  if constexpr (R == 4) lane_sum8x4(lo, hi, out);
+  else
+    for (int r = 0; r < R; ++r) out[r] = lane_sum8(lo[r], hi[r]);
 }
 
 static inline __m256 exp_nonpositive8(__m256 x) {
@@ -652,30 +673,32 @@ static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* 
                               float* const* o, const int32_t* const* idx) {
   int64_t Lmax = 0;
   for (int64_t g = 0; g < G; ++g) Lmax = std::max(Lmax, L[g]);
-  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2)
+  const float* kr[KEY_CHUNK_AVX2];  // the chunk's rows of K (then V): once a chunk, or a query's own (a tree)
+  const float* vr[KEY_CHUNK_AVX2];
+  auto chunk_rows = [&](const Keys& keys, int64_t g, int64_t j0, int64_t j1, const float** rows) {
+    for (int64_t j = j0; j < j1; ++j) rows[j - j0] = keys.row(IDX ? idx[g][j] : j);
+  };
+  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2) {
+    if (!IDX) chunk_rows(kb, 0, j0, std::min(j0 + KEY_CHUNK_AVX2, Lmax), kr);
     for (int64_t g = 0; g < G; ++g) {
-      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
       const int64_t j1 = std::min(j0 + KEY_CHUNK_AVX2, L[g]);
+      if (IDX) chunk_rows(kb, g, j0, j1, kr);
       float* pg = p + g * stride;
       int64_t j = j0;
-      for (; j + 4 <= j1; j += 4) {
-        const float* b[4] = {kb.row(key(j)), kb.row(key(j + 1)), kb.row(key(j + 2)), kb.row(key(j + 3))};
-        dots_avx2<4>(qv[g], b, D, pg + j);
-      }
-      for (; j < j1; ++j) {
-        const float* b[1] = {kb.row(key(j))};
-        dots_avx2<1>(qv[g], b, D, pg + j);
-      }
+      for (; j + 4 <= j1; j += 4) dots_avx2<4>(qv[g], kr + (j - j0), D, pg + j);
+      for (; j < j1; ++j) dots_avx2<1>(qv[g], kr + (j - j0), D, pg + j);
     }
+  }
   for (int64_t g = 0; g < G; ++g) {
     sums[g] = softmax_avx2(p + g * stride, L[g], scale);
     std::fill(acc + g * 2 * D, acc + (g + 1) * 2 * D, 0.f);
   }
-  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2)  // (the chunk is even: pairs stay pairs)
+  for (int64_t j0 = 0; j0 < Lmax; j0 += KEY_CHUNK_AVX2) {  // (the chunk is even: pairs stay pairs)
+    if (!IDX) chunk_rows(vb, 0, j0, std::min(j0 + KEY_CHUNK_AVX2, Lmax), vr);
     for (int64_t g = 0; g < G; ++g) {
-      auto key = [&](int64_t j) -> int64_t { return IDX ? idx[g][j] : j; };
       const int64_t j1 = std::min(j0 + KEY_CHUNK_AVX2, L[g]);
       if (j0 >= j1) continue;
+      if (IDX) chunk_rows(vb, g, j0, j1, vr);
       const float* pg = p + g * stride;
       float *ae = acc + g * 2 * D, *ao = ae + D;
       for (int64_t d0 = 0; d0 < D; d0 += 32) {
@@ -687,7 +710,7 @@ static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* 
         int64_t j = j0;
         for (; j + 2 <= j1; j += 2) {
           const __m256 p0 = _mm256_set1_ps(pg[j]), p1 = _mm256_set1_ps(pg[j + 1]);
-          const float *v0 = vb.row(key(j)) + d0, *v1 = vb.row(key(j + 1)) + d0;
+          const float *v0 = vr[j - j0] + d0, *v1 = vr[j - j0 + 1] + d0;
           for (int c = 0; c < 4; ++c) {
             e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
             od[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), od[c]);
@@ -695,7 +718,7 @@ static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* 
         }
         if (j < j1) {  // the query's last key, alone
           const __m256 p0 = _mm256_set1_ps(pg[j]);
-          const float* v0 = vb.row(key(j)) + d0;
+          const float* v0 = vr[j - j0] + d0;
           for (int c = 0; c < 4; ++c) e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
         }
         for (int c = 0; c < 4; ++c) {
@@ -704,6 +727,7 @@ static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* 
         }
       }
     }
+  }
   for (int64_t g = 0; g < G; ++g) {
     const __m256 vi = _mm256_set1_ps(1.f / sums[g]);
     const float *ae = acc + g * 2 * D, *ao = ae + D;
@@ -714,7 +738,7 @@ static void attend_group_avx2(int64_t G, const float* const* qv, const int64_t* 
 #endif
 
 // Test switch: true sends every query through attend_one_scalar, the definition the SIMD
-// paths without AVX512 reproduce bit for bit (tests/test_attention_avx2.py compares them).
+// paths without AVX512 reproduce bit for bit (tests/test_attention_simd.py compares them).
 static std::atomic<bool> attention_reference{false};
 
 bool set_attention_reference(bool on) { return attention_reference.exchange(on); }
