@@ -79,9 +79,10 @@ struct Keys {
   const float* row(int64_t j) const { return base ? base + j * D : blocks[j >> shift] + (j & mask) * D; }
 };
 
-// Paged float32 pools are read in place only by the plain C++ path (attend_one_scalar), whose
-// runs of keys are at most 4 long (dots<4>, from a multiple of 4): blocks of a power of two
-// >= 4 slots keep each run in one block. The AVX512 path reads 64-key chunks as one run.
+// Paged float32 pools are read in place by the plain C++ path (attend_one_scalar), whose runs
+// of keys are at most 4 long (dots<4>, from a multiple of 4): blocks of a power of two >= 4
+// slots keep each run in one block; and by the AVX2 path, which looks up each key's row once
+// a chunk. The AVX512 path reads 64-key chunks as one run.
 #ifdef FORERUN_VNNI
 constexpr bool PAGED_IN_PLACE = false;
 #else
