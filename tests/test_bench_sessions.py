@@ -42,3 +42,14 @@ def test_a_session_resends_its_history_and_the_figures_come_from_the_stream():
     assert [t.cached_tokens for t in turns] == [0, 90, 180] and all(t.tokens == 3 for t in turns)
     figures = sessions.summary([turns])
     assert figures["sessions"] == 1 and figures["cached_share_later"] == round(270 / 500, 3)
+    assert figures["ttft_later_under_100_new_s"] is None  # turns 2 and 3 leave 110 and 120 tokens to compute
+
+
+def test_the_later_turns_that_leave_under_100_tokens_are_reported_apart():
+    def turn(ttft, prompt, cached):
+        return sessions.Turn(ttft=ttft, seconds=ttft + 1.0, tokens=11, prompt_tokens=prompt, cached_tokens=cached)
+
+    figures = sessions.summary([[turn(9.0, 1000, 0), turn(0.8, 1100, 1024), turn(1.6, 1300, 1150)],
+                                [turn(8.0, 900, 0), turn(0.6, 1000, 912)]])
+    assert figures["ttft_later_s"] == round((0.8 + 1.6 + 0.6) / 3, 3)
+    assert figures["ttft_later_under_100_new_s"] == 0.7  # 76 and 88 new tokens; not the turn with 150
