@@ -168,6 +168,4 @@ def _embedding(tensors: dict, name: str, module: nn.Embedding, used: set, path: 
     used.add(f"{name}.weight")
     if isinstance(w, Blocks):
         return GGUFEmbedding(w)
-    emb = nn.Embedding(w.shape[0], w.shape[1], device="meta")
-    emb.weight = nn.Parameter(w, requires_grad=False)
-    return emb
+    return nn.Embedding.from_pretrained(w)  # (frozen; no random init first)

@@ -11,6 +11,16 @@ from forerun.kv.cache import ForwardBatch, KVCache, chain_batch
 from forerun.precision import kv_dtype_for
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim) with its N(0, 1) init (the same draws), skipped on the meta device,
+    where the loader fills the weights anyway: there `normal_` runs torch's Python reference,
+    whose first call imports torch._dynamo (1.1-1.7 s of every model load)."""
+    weight = torch.empty(num, dim)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(num, dim, _weight=weight)
+
+
 @dataclass
 class ModelOutput:
     hidden: torch.Tensor  # [B, T, hidden_size] after the final norm (what the LM head reads)

@@ -22,7 +22,7 @@ from forerun.errors import ModelLoadError
 from forerun.kernels.backend import WIDE_ROWS, TorchBackend
 from forerun.kv.cache import ForwardBatch, widened
 from forerun.kv.protocol import KVStore
-from forerun.models.base import DecoderBase, ModelOutput
+from forerun.models.base import DecoderBase, ModelOutput, embedding
 from forerun.models.config import ModelConfig
 from forerun.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
@@ -158,7 +158,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

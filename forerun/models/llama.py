@@ -14,7 +14,7 @@ from torch import nn
 from forerun.kernels.backend import TorchBackend
 from forerun.kv.cache import ForwardBatch
 from forerun.kv.protocol import KVStore
-from forerun.models.base import DecoderBase, ModelOutput
+from forerun.models.base import DecoderBase, ModelOutput, embedding
 from forerun.models.config import ModelConfig
 from forerun.models.rope import RopeTable, apply_rope, inv_frequencies
 
@@ -114,7 +114,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -9,8 +9,10 @@ from forerun.errors import ModelLoadError
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """[head_dim // 2] float64 inverse frequencies, after the config's rope scaling."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    """[head_dim // 2] float64 inverse frequencies, after the config's rope scaling; on the CPU
+    whatever the default device (built on meta, a model would run torch's Python references
+    for them, whose first call imports torch._dynamo: seconds of start-up for nothing)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv
