@@ -40,7 +40,8 @@ def test_a_later_turn_reads_the_earlier_turn_and_gives_the_same_output(dtype, sp
     turn2 = TURN1 + first.token_ids + [7, 8, 9, 10, 11]  # the answer resent, then the new message
     hot = warm.generate([turn2], GREEDY, speculative=spec)[0]
     ref = cold.generate([turn2], GREEDY, speculative=spec)[0]
-    assert hot.num_cached_tokens >= 128 and hot.num_cached_tokens % 16 == 0  # the prompt and most of the answer
+    # all that turn 1 computed: the prompt and the answer but its last token (8 whole blocks + a tail of 11)
+    assert hot.num_cached_tokens == len(TURN1) + len(first.token_ids) - 1 == 139
     assert hot.token_ids == ref.token_ids
     assert warm.prefix_cache.stats.hit == hot.num_cached_tokens
 
@@ -48,20 +49,22 @@ def test_a_later_turn_reads_the_earlier_turn_and_gives_the_same_output(dtype, sp
 def test_seeded_sampling_is_the_same_bits_warm_and_cold():
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True)
     warm, cold = _llm(), _llm(enable_prefix_caching=False)
-    warm.generate([TURN1], params)
+    first = warm.generate([TURN1], params)[0]
     prompt = TURN1 + [3, 4]
     hot, ref = warm.generate([prompt], params)[0], cold.generate([prompt], params)[0]
-    assert hot.num_cached_tokens == 96 and hot.token_ids == ref.token_ids
+    # 6 whole blocks, then 4 (or 5) tokens of the 7th, which turn 1 left after TURN1's end
+    assert hot.num_cached_tokens == 100 + (first.token_ids[0] == 3) and hot.token_ids == ref.token_ids
 
 
 def test_restored_kv_and_logits_equal_computed_ones():
     llm = _llm()
     model = llm.model
     llm.generate([TURN1], GREEDY)
-    blocks = llm.prefix_cache.lookup(TURN1 + [1])
-    assert len(blocks) == 6  # 96 of the 100 prompt tokens + 1: whole blocks only
+    match = llm.prefix_cache.lookup(TURN1)
+    assert len(match.blocks) == 6 and match.tail_len == 3  # 96 + 3 of TURN1's 100: its last is left to compute
     warm, cold = model.new_cache(1, 128), model.new_cache(1, 128)
-    n = restore(blocks, warm, 0)
+    n = restore(match, warm, 0)
+    assert n == 99
     with torch.inference_mode():
         a = model(chain_batch([TURN1[n:]], [n], [0], model.device), warm).logits[0, -1]
         b = model(chain_batch([TURN1], [0], [0], model.device), cold).logits[0, -1]
@@ -72,11 +75,12 @@ def test_restored_kv_and_logits_equal_computed_ones():
 
 def test_concurrent_prompts_sharing_a_prefix_get_their_alone_answers():
     llm = _llm()
-    llm.generate([TURN1], GREEDY)
+    first = llm.generate([TURN1], GREEDY)[0]
     prompts = [TURN1 + [i, i + 1] for i in range(1, 5)]
     together = llm.generate(prompts, GREEDY)
     alone = [_llm(enable_prefix_caching=False).generate([p], GREEDY)[0].token_ids for p in prompts]
-    assert [o.token_ids for o in together] == alone and all(o.num_cached_tokens == 96 for o in together)
+    assert [o.token_ids for o in together] == alone
+    assert [o.num_cached_tokens for o in together] == [100 + (first.token_ids[0] == i) for i in range(1, 5)]
 
 
 def test_eviction_is_lru_and_leaf_first_within_the_bound():
@@ -93,10 +97,49 @@ def test_eviction_is_lru_and_leaf_first_within_the_bound():
     assert all(b.parent is None or b.parent in pool.blocks for b in pool.blocks.values())  # every kept block reachable
 
 
+def _numbered_cache(slots: int = 64) -> KVCache:
+    """One layer, one row, K of slot s = s and V = -s: which slots a restore copied shows."""
+    cache = KVCache(1, 1, 1, slots, 1, torch.float32, "cpu")
+    cache.k[0][0, 0, :, 0] = torch.arange(slots, dtype=torch.float32)
+    cache.v[0][0, 0, :, 0] = -torch.arange(slots, dtype=torch.float32)
+    return cache
+
+
+def test_a_hit_reads_to_the_token_a_tail_and_a_whole_block_left_part_way():
+    """After its whole blocks a prompt reads the cached tokens it shares: a stored tail (the
+    answer's last partial block), or the first tokens of a whole block it diverges inside."""
+    pool, src = PrefixPool(block_size=16, max_bytes=1 << 20, salt=b"t"), _numbered_cache()
+    a = list(range(100, 164))
+    assert pool.store(a, src, 0, 40) == 3  # 2 whole blocks and a tail of 8
+    cases = [(a[:45], 40), (a[:37], 36), (a[:37] + [1, 2, 3], 37), (a[:20] + [5] * 9, 20), (a[:17], 16), (a[:16], 0)]
+    for prompt, covered in cases:
+        dst = KVCache(1, 1, 1, 64, 1, torch.float32, "cpu")
+        assert pool.read(prompt, dst, 0) == covered, prompt
+        assert torch.equal(dst.k[0][0, 0, :covered, 0], src.k[0][0, 0, :covered, 0])
+        assert torch.equal(dst.v[0][0, 0, :covered, 0], src.v[0][0, 0, :covered, 0])
+        assert not dst.k[0][0, 0, covered:, 0].any()  # nothing past what was matched
+    assert pool.store(a, src, 0, 48) == 1 and len(pool.blocks) == 3  # the whole 3rd block replaces the tail
+    assert pool.read(a[:20] + [5] * 9, KVCache(1, 1, 1, 64, 1, torch.float32, "cpu"), 0) == 20
+    assert pool.read(a[:45], KVCache(1, 1, 1, 64, 1, torch.float32, "cpu"), 0) == 44  # a prompt's last is left
+    assert pool.store(a, src, 0, 40) == 0  # a tail the 3rd block already holds is not kept again
+    assert pool.used_bytes == 3 * 2 * 16 * 4
+
+
+def test_tails_are_evicted_before_their_parents():
+    pool, src = PrefixPool(block_size=16, max_bytes=2 * 2 * 16 * 4, salt=b"t"), _numbered_cache()
+    assert pool.store(list(range(64)), src, 0, 24) == 2  # a block and a tail of 8: the bound
+    assert pool.store([7] * 64, src, 0, 16) == 1  # room: the tail goes, then nothing else is a leaf but the chain's
+    assert pool.stats.evicted == 8 and len(pool.blocks) == 2
+    assert all(b.parent is None or b.parent in pool.blocks for b in pool.blocks.values())
+    assert all(kids <= set(pool.blocks) for kids in pool.kids.values())
+
+
 def test_the_salt_separates_tenants():
     pool = _llm().prefix_cache
     pool.store(TURN1, KVCache(1, 1, 1, 64, 1, torch.float32, "cpu"), 0, 48, salt=b"alice")
-    assert len(pool.lookup(TURN1, salt=b"alice")) == 3 and pool.lookup(TURN1, salt=b"bob") == []
+    pool.store(TURN1, KVCache(1, 1, 1, 64, 1, torch.float32, "cpu"), 0, 56, salt=b"alice")  # a tail of 8
+    alice, bob = pool.lookup(TURN1, salt=b"alice"), pool.lookup(TURN1, salt=b"bob")
+    assert (len(alice.blocks), alice.tail_len) == (3, 8) and (bob.blocks, bob.tail, bob.tokens) == ([], None, 0)
 
 
 def test_doctests():

@@ -187,6 +187,13 @@ class KVCache:
             kl[row, :, lo : lo + n].copy_(k[layer])
             vl[row, :, lo : lo + n].copy_(v[layer])
 
+    def import_blocks(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [blocks, layers, H_kv, n, D] at slots [lo, lo + blocks * n) of `row`."""
+        nb, _, H, n, D = k.shape
+        for layer, (kl, vl) in enumerate(zip(self.k, self.v)):  # [H, nb * n, D] seen as [H, nb, n, D]
+            kl[row, :, lo : lo + nb * n].view(H, nb, n, D).copy_(k[:, layer].transpose(0, 1))
+            vl[row, :, lo : lo + nb * n].view(H, nb, n, D).copy_(v[:, layer].transpose(0, 1))
+
     def move(self, row: int, src_slots: list[int], dst_slots: list[int]):
         """Copy entries src -> dst in every layer (token-tree compaction of the accepted path)."""
         src = torch.tensor(src_slots, device=self.k[0].device)

@@ -151,6 +151,20 @@ class PagedKVCache:
             vp[block, :, offset] = v[layer].transpose(0, 1)
         self._batch = None
 
+    def import_blocks(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [blocks, layers, H_kv, n, D] at slots [lo, lo + blocks * n) of `row`: runs
+        that are whole pool blocks (n the block size, lo on a block's start) copied a block at a
+        time, else slot by slot."""
+        nb, layers, H, n, D = k.shape
+        if n != self.block_size or lo % n:
+            flat = lambda x: x.permute(1, 2, 0, 3, 4).reshape(layers, H, nb * n, D)  # noqa: E731
+            return self.import_slots(row, lo, flat(k), flat(v))
+        blocks = self.tables[row, lo // n : lo // n + nb]
+        for layer, (kp, vp) in enumerate(zip(self.k_pool, self.v_pool)):
+            kp.index_copy_(0, blocks, k[:, layer])
+            vp.index_copy_(0, blocks, v[:, layer])
+        self._batch = None
+
     def move(self, row: int, src_slots: list[int], dst_slots: list[int]):
         """Copy entries src -> dst in every layer (token-tree compaction of the accepted path)."""
         table, bs = self.tables[row], self.block_size

@@ -9,6 +9,13 @@ so a block computed in turn 1's prefill, in a decoding step or in another reques
 holds the same bits as computing it now. A hit always leaves at least the last prompt token
 to compute (its forward gives the first logits).
 
+Hits are token-granular at their end, as llama-server's prompt cache and SGLang's radix tree
+are: a request's last, partial block is kept too (a tail, keyed by its parent and its tokens),
+and after the whole blocks a prompt reads the longest run of tokens it shares with any cached
+child of its last hit (a tail, or a whole block it leaves part way). The K/V of a position
+depend only on the tokens up to it, so those first tokens' K/V are the prompt's own. An agent's
+next turn resends the last answer: it then reads all of it, not the answer's whole blocks only.
+
     >>> a = block_keys([1, 2, 3, 4, 5], 2, b"salt")
     >>> len(a), a == block_keys([1, 2, 3, 4, 9], 2, b"salt")  # two whole blocks; the partial one has no key
     (2, True)
@@ -40,18 +47,41 @@ def block_keys(tokens: list[int], block_size: int, salt: bytes) -> list[bytes]:
     return keys
 
 
+def tail_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The key of a partial block (fewer than block_size tokens) after the block `parent`: never
+    equal to a whole block's key (another text is hashed), so a whole-block lookup never finds it."""
+    h = hashlib.sha256(b"tail|" + parent)
+    h.update(b"|".join(str(t).encode() for t in tokens))
+    return h.digest()
+
+
 @dataclass
 class Block:
     parent: bytes | None
-    k: torch.Tensor  # [layers, H_kv, block_size, D]
+    tokens: tuple[int, ...]  # block_size token ids, fewer for a tail
+    k: torch.Tensor  # [layers, H_kv, len(tokens), D]
     v: torch.Tensor
-    children: int = 0  # cached blocks whose parent this is
+    children: int = 0  # cached blocks (whole or tails) whose parent this is
     used: int = 0  # the pool's clock at its last hit or store
 
 
 @dataclass
+class Match:
+    """What the cache holds of a prompt: whole blocks, then the first `tail_len` tokens of one
+    more cached block (a tail, or a whole block the prompt leaves part way)."""
+
+    blocks: list[Block]
+    tail: Block | None = None
+    tail_len: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.blocks) + self.tail_len
+
+
+@dataclass
 class PrefixStats:
-    """Tokens asked for (whole blocks of prompts), found, and dropped to make room."""
+    """Prompt tokens asked for (all but each prompt's last), found, and dropped to make room."""
 
     queried: int = 0
     hit: int = 0
@@ -69,15 +99,17 @@ class PrefixPool:
     blocks: dict[bytes, Block] = field(default_factory=dict)
     stats: PrefixStats = field(default_factory=PrefixStats)
     used_bytes: int = 0  # K and V of the cached blocks
+    kids: dict[bytes, set[bytes]] = field(default_factory=dict)  # a block's key -> its cached children's
     _clock: itertools.count = field(default_factory=itertools.count)
 
     def keys(self, tokens: list[int], salt: bytes = b"") -> list[bytes]:
         return block_keys(tokens, self.block_size, self.salt + b"/" + salt)
 
-    def lookup(self, tokens: list[int], salt: bytes = b"") -> list[Block]:
-        """The cached blocks that start `tokens`, in order, leaving its last token uncovered."""
+    def lookup(self, tokens: list[int], salt: bytes = b"") -> Match:
+        """The cached K/V that start `tokens`, leaving its last token uncovered: whole blocks in
+        order, then the cached child of the last one that shares the most next tokens."""
         keys = self.keys(tokens[:-1], salt)
-        self.stats.queried += len(keys) * self.block_size
+        self.stats.queried += len(tokens) - 1
         hits = []
         for key in keys:
             block = self.blocks.get(key)
@@ -85,44 +117,73 @@ class PrefixPool:
                 break
             block.used = next(self._clock)
             hits.append(block)
-        self.stats.hit += len(hits) * self.block_size
-        return hits
+        match = Match(hits)
+        n = len(hits) * self.block_size
+        if hits and len(tokens) - 1 > n:
+            want = tuple(tokens[n : min(n + self.block_size, len(tokens) - 1)])
+            for key in self.kids.get(keys[len(hits) - 1], ()):
+                block = self.blocks[key]
+                m = _shared(block.tokens, want)
+                if m > match.tail_len:
+                    match.tail, match.tail_len = block, m
+            if match.tail is not None:
+                match.tail.used = next(self._clock)
+        self.stats.hit += match.tokens
+        return match
 
     def read(self, tokens: list[int], cache, row: int, salt: bytes = b"") -> int:
-        """Copy the cached blocks that start `tokens` into slots [0, n) of a cache row (any
+        """Copy the cached K/V that start `tokens` into slots [0, n) of a cache row (any
         KVStore); returns n, the tokens they cover (0 on a miss)."""
         return restore(self.lookup(tokens, salt), cache, row)
 
     def store(self, tokens: list[int], cache, row: int, computed: int, salt: bytes = b"") -> int:
-        """Keep the whole blocks of tokens[:computed] whose K/V a cache row holds (any KVStore);
-        returns the blocks newly stored."""
+        """Keep the blocks of tokens[:computed] whose K/V a cache row holds (any KVStore): the
+        whole ones, then the partial one after them as a tail; returns the blocks newly stored."""
         keys = self.keys(tokens[:computed], salt)
         new = [i for i, key in enumerate(keys) if key not in self.blocks]
         for key in keys:  # the whole chain is fresh now: evict others before any of it
             if key in self.blocks:
                 self.blocks[key].used = next(self._clock)
-        if not new:
-            return 0
-        lo, hi = new[0] * self.block_size, (new[-1] + 1) * self.block_size
-        ks, vs = cache.export_slots(row, lo, hi)  # [layers, H_kv, hi - lo, D]
-        per_block = (ks.nbytes + vs.nbytes) * self.block_size // (hi - lo)
         stored = 0
-        for i in new:
-            if not self._make_room(per_block, keep=set(keys[: i + 1])):
-                break  # the bound is reached and every block left is this chain's own
-            s = (i - new[0]) * self.block_size
-            parent = keys[i - 1] if i else None
-            if parent is not None and parent not in self.blocks:
-                break  # its parent could not be kept: a child without one is never reached
-            block = Block(parent, ks[:, :, s : s + self.block_size].clone(), vs[:, :, s : s + self.block_size].clone(),
-                          used=next(self._clock))
-            self.blocks[keys[i]] = block
-            self.used_bytes += block.k.nbytes + block.v.nbytes
-            if parent is not None:
-                self.blocks[parent].children += 1
-            stored += 1
+        if new:
+            lo, hi = new[0] * self.block_size, (new[-1] + 1) * self.block_size
+            ks, vs = cache.export_slots(row, lo, hi)  # [layers, H_kv, hi - lo, D]
+            for i in new:
+                s = (i - new[0]) * self.block_size
+                parent = keys[i - 1] if i else None
+                if not self._keep(keys[i], parent, tuple(tokens[lo + s : lo + s + self.block_size]),
+                                  ks[:, :, s : s + self.block_size], vs[:, :, s : s + self.block_size], set(keys[: i + 1])):
+                    break  # no room, or its parent could not be kept (a child without one is never reached)
+                stored += 1
+        whole = len(keys) * self.block_size
+        if keys and computed > whole and keys[-1] in self.blocks:
+            tail = tuple(tokens[whole:computed])
+            key = tail_key(keys[-1], tail)
+            covering = [o for o in self.kids.get(keys[-1], ()) if _shared(self.blocks[o].tokens, tail) == len(tail)]
+            if covering:  # this tail itself, a longer one or a whole block holds these K/V already
+                self.blocks[covering[0]].used = next(self._clock)
+            else:
+                ks, vs = cache.export_slots(row, whole, computed)
+                stored += self._keep(key, keys[-1], tail, ks, vs, set(keys) | {key})
         self.stats.stored += stored * self.block_size
         return stored
+
+    def _keep(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], k: torch.Tensor, v: torch.Tensor,
+              keep: set[bytes]) -> bool:
+        """Store one block (k, v [layers, H_kv, len(tokens), D], copied) under `parent`; a cached
+        tail that it continues is dropped (this block holds its K/V too). False when the bound
+        leaves no room or the parent is not cached."""
+        nbytes = k.nbytes + v.nbytes
+        if not self._make_room(nbytes, keep) or (parent is not None and parent not in self.blocks):
+            return False
+        if parent is not None:
+            for other in [o for o in self.kids.get(parent, ()) if _shared(self.blocks[o].tokens, tokens) == len(self.blocks[o].tokens)]:
+                self._drop(other)
+            self.blocks[parent].children += 1
+            self.kids.setdefault(parent, set()).add(key)
+        self.blocks[key] = Block(parent, tokens, k.clone(), v.clone(), used=next(self._clock))
+        self.used_bytes += nbytes
+        return True
 
     def _make_room(self, nbytes: int, keep: set[bytes]) -> bool:
         """Evict least recently used leaves (never one of `keep`) until `nbytes` fit."""
@@ -131,25 +192,50 @@ class PrefixPool:
             if not leaves:
                 return False
             _, key = min(leaves)
-            block = self.blocks.pop(key)
-            if block.parent is not None and block.parent in self.blocks:
-                self.blocks[block.parent].children -= 1
-            self.used_bytes -= block.k.nbytes + block.v.nbytes
-            self.stats.evicted += self.block_size
+            self.stats.evicted += len(self.blocks[key].tokens)
+            self._drop(key)
         return True
+
+    def _drop(self, key: bytes) -> None:
+        """Remove a leaf block."""
+        block = self.blocks.pop(key)
+        if block.parent is not None and block.parent in self.blocks:
+            self.blocks[block.parent].children -= 1
+            self.kids[block.parent].discard(key)
+        self.kids.pop(key, None)
+        self.used_bytes -= block.k.nbytes + block.v.nbytes
 
     def reset(self) -> int:
         """Drop every cached block; returns how many there were."""
         n = len(self.blocks)
         self.blocks.clear()
+        self.kids.clear()
         self.used_bytes = 0
         return n
 
 
-def restore(blocks: list[Block], cache, row: int) -> int:
-    """Copy `blocks` (a prefix, in order) into slots [0, n) of a cache row (any KVStore); returns n."""
-    if not blocks:
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many first tokens a and b share.
+
+    >>> _shared((1, 2, 3), (1, 2, 4, 5)), _shared((1,), (2,))
+    (2, 0)
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def restore(match: Match, cache, row: int) -> int:
+    """Copy a lookup's K/V into slots [0, n) of a cache row (any KVStore); returns n."""
+    if not match.blocks:
         return 0
-    ks, vs = torch.cat([b.k for b in blocks], dim=2), torch.cat([b.v for b in blocks], dim=2)  # [layers, H, n, D]
-    cache.import_slots(row, 0, ks, vs)
-    return ks.shape[2]
+    n = sum(len(b.tokens) for b in match.blocks)
+    # [blocks, layers, H_kv, block_size, D]: whole blocks stacked (one contiguous copy each)
+    cache.import_blocks(row, 0, torch.stack([b.k for b in match.blocks]), torch.stack([b.v for b in match.blocks]))
+    if match.tail_len:
+        m = match.tail_len
+        cache.import_slots(row, n, match.tail.k[:, :, :m], match.tail.v[:, :, :m])
+    return n + match.tail_len

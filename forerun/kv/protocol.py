@@ -54,5 +54,9 @@ class KVStore(Protocol):
     def import_slots(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [layers, H_kv, n, D] at slots [lo, lo + n) of `row`."""
 
+    def import_blocks(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [blocks, layers, H_kv, n, D] (runs of n tokens, e.g. the prefix cache's
+        blocks stacked) at slots [lo, lo + blocks * n) of `row`: import_slots' bits, fewer copies."""
+
     def move(self, row: int, src_slots: list[int], dst_slots: list[int]) -> None:
         """Copy entries src -> dst in every layer (a token tree's accepted path, compacted)."""

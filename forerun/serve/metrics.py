@@ -33,7 +33,7 @@ class ServeMetrics:
         self.mean_accepted_length = Gauge("forerun_mean_accepted_length", "Tokens per row per step since start (tau)", registry=r)
         self.step_time = Histogram("forerun_step_seconds", "Wall time of one scheduler step", buckets=STEP_BUCKETS, registry=r)
         self.prefill_time = Histogram("forerun_prefill_seconds", "Wall time of one admission prefill", buckets=STEP_BUCKETS, registry=r)
-        self.prefix_queried = Counter("forerun_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (whole blocks)", registry=r)
+        self.prefix_queried = Counter("forerun_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (all but each prompt's last)", registry=r)
         self.prefix_hit = Counter("forerun_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache", registry=r)
         self.prefix_evicted = Counter("forerun_prefix_cache_evicted_tokens", "Cached tokens dropped to make room", registry=r)
         self._prefix_seen = (0, 0, 0)
