@@ -73,6 +73,27 @@ def test_restored_kv_and_logits_equal_computed_ones():
         assert torch.equal(kw[0, :, :100], kc[0, :, :100]) and torch.equal(vw[0, :, :100], vc[0, :, :100])
 
 
+@pytest.mark.parametrize("stage", [1 << 30, 1], ids=["one-run", "a-block-a-run"])
+def test_a_restore_copies_the_same_bits_into_rows_and_a_paged_pool(monkeypatch, stage):
+    from forerun.kv import prefix
+    from forerun.kv.paged import PagedKVCache
+
+    llm = _llm()
+    llm.generate([TURN1], GREEDY)
+    match = llm.prefix_cache.lookup(TURN1)  # 6 whole blocks and 3 tokens of a 7th
+    monkeypatch.setattr(prefix, "STAGE_BYTES", stage)
+    rows, paged = llm.model.new_cache(2, 128), PagedKVCache(llm.model, rows=2, capacity=128, num_blocks=16, block_size=16)
+    paged.set_table(1, [9, 3, 14, 0, 7, 12, 5, 1])  # scattered pool blocks
+    assert restore(match, rows, 1) == restore(match, paged, 1) == 99
+    for layer in range(len(rows.k)):
+        want_k = torch.cat([b.k[layer] for b in match.blocks] + [match.tail.k[layer][:, :3]], dim=1)  # [H, 99, D]
+        want_v = torch.cat([b.v[layer] for b in match.blocks] + [match.tail.v[layer][:, :3]], dim=1)
+        assert torch.equal(rows.k[layer][1, :, :99], want_k) and torch.equal(rows.v[layer][1, :, :99], want_v)
+        got_k, got_v = paged.export_slots(1, 0, 99)
+        assert torch.equal(got_k[layer], want_k) and torch.equal(got_v[layer], want_v)
+    assert not rows.k[0][0].any() and not rows.k[0][1, :, 99:].any()  # nothing else written
+
+
 def test_concurrent_prompts_sharing_a_prefix_get_their_alone_answers():
     llm = _llm()
     first = llm.generate([TURN1], GREEDY)[0]

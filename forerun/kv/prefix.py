@@ -214,6 +214,9 @@ class PrefixPool:
         return n
 
 
+STAGE_BYTES = 8 << 20  # K and V of the blocks one import_blocks call copies (restore)
+
+
 def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """How many first tokens a and b share.
 
@@ -232,9 +235,15 @@ def restore(match: Match, cache, row: int) -> int:
     """Copy a lookup's K/V into slots [0, n) of a cache row (any KVStore); returns n."""
     if not match.blocks:
         return 0
-    n = sum(len(b.tokens) for b in match.blocks)
-    # [blocks, layers, H_kv, block_size, D]: whole blocks stacked (one contiguous copy each)
-    cache.import_blocks(row, 0, torch.stack([b.k for b in match.blocks]), torch.stack([b.v for b in match.blocks]))
+    blocks, n = match.blocks, 0
+    # [blocks, layers, H_kv, block_size, D]: whole blocks stacked (a contiguous copy each), about
+    # STAGE_BYTES at a time: a staging buffer that small is reused by the allocator, where one for a
+    # whole 2k-token prefix is fresh memory every time (its page faults cost more than the copies).
+    per = max(1, STAGE_BYTES // (blocks[0].k.nbytes + blocks[0].v.nbytes))
+    for i in range(0, len(blocks), per):
+        run = blocks[i : i + per]
+        cache.import_blocks(row, n, torch.stack([b.k for b in run]), torch.stack([b.v for b in run]))
+        n += sum(len(b.tokens) for b in run)
     if match.tail_len:
         m = match.tail_len
         cache.import_slots(row, n, match.tail.k[:, :, :m], match.tail.v[:, :, :m])
