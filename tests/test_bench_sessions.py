@@ -53,3 +53,27 @@ def test_the_later_turns_that_leave_under_100_tokens_are_reported_apart():
                                 [turn(8.0, 900, 0), turn(0.6, 1000, 912)]])
     assert figures["ttft_later_s"] == round((0.8 + 1.6 + 0.6) / 3, 3)
     assert figures["ttft_later_under_100_new_s"] == 0.7  # 76 and 88 new tokens; not the turn with 150
+
+
+def test_servers_take_turns_turn_by_turn_each_with_its_own_history():
+    order = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host, messages = request.url.host, json.loads(request.content)["messages"]
+        order.append((host, len(messages)))
+        answer = f"{host} says {len(messages)}"
+        chunks = [{"choices": [{"delta": {"content": answer}}]},
+                  {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}}}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        assert all(m["content"].startswith(host) for m in messages if m["role"] == "assistant")  # its own answers only
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    session = sessions.build_sessions(1, 3)[0]
+    real = httpx.Client
+    httpx.Client = lambda **kw: real(transport=httpx.MockTransport(handler), **kw)
+    try:
+        a, b = sessions.play_interleaved(["http://a", "http://b"], session, 8)
+    finally:
+        httpx.Client = real
+    assert order == [("a", 2), ("b", 2), ("a", 4), ("b", 4), ("a", 6), ("b", 6)]  # alternated, each turn on both
+    assert len(a) == len(b) == 3 and [t.text for t in b] == ["b says 2", "b says 4", "b says 6"]

@@ -131,7 +131,7 @@ def test_a_hit_reads_to_the_token_a_tail_and_a_whole_block_left_part_way():
     answer's last partial block), or the first tokens of a whole block it diverges inside."""
     pool, src = PrefixPool(block_size=16, max_bytes=1 << 20, salt=b"t"), _numbered_cache()
     a = list(range(100, 164))
-    assert pool.store(a, src, 0, 40) == 3  # 2 whole blocks and a tail of 8
+    assert pool.store(a, src, 0, 40) == 3 and pool.stats.stored == 40  # 2 whole blocks and a tail of 8
     cases = [(a[:45], 40), (a[:37], 36), (a[:37] + [1, 2, 3], 37), (a[:20] + [5] * 9, 20), (a[:17], 16), (a[:16], 0)]
     for prompt, covered in cases:
         dst = KVCache(1, 1, 1, 64, 1, torch.float32, "cpu")

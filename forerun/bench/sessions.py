@@ -12,9 +12,11 @@ file read, its functions' docstrings as tool results), never stored:
         --llama-server /path/to/llama-server --gguf <the 1.5B's .gguf> --out forerun-runs/sessions
 
 Each server is started once (a subprocess on a free port) and kept for every session; the
-sessions are played one after another, the servers taking turns session by session, so the
-machine's drift hits all alike. Greedy decoding, `ignore_eos` off: a turn ends where the
-model ends it or at --max-tokens.
+sessions are played one after another, and within a session the servers take turns turn by
+turn (each with its own history), so the machine's drift, which moves its speed 10-20% within
+minutes, hits every server alike; each session's time is also given as a ratio to the first
+server's. Greedy decoding, `ignore_eos` off: a turn ends where the model ends it or at
+--max-tokens.
 """
 from __future__ import annotations
 
@@ -119,17 +121,37 @@ def stream_chat(client: httpx.Client, messages: list[dict], max_tokens: int) -> 
                 details.get("cached_tokens"), "".join(s.pieces))
 
 
+def next_messages(session: Session, messages: list[dict], turn: int) -> list[dict]:
+    """The request of turn `turn` (0-based): the history so far and the turn's ask (the first
+    ask joins the opening user message)."""
+    ask = session.asks[turn]
+    if turn:
+        return messages + [{"role": "user", "content": ask}]
+    return messages[:-1] + [{"role": "user", "content": messages[-1]["content"] + "\n\n" + ask}]
+
+
 def play(url: str, session: Session, max_tokens: int) -> list[Turn]:
     """Every turn of `session` in order, each resending the history with the last answer."""
-    messages, turns = list(session.opening), []
+    return play_interleaved([url], session, max_tokens)[0]
+
+
+def play_interleaved(urls: list[str], session: Session, max_tokens: int) -> list[list[Turn]]:
+    """`session` on every server, the servers taking turns turn by turn (each keeps its own
+    history: its own answers are what it is sent back); turns per server."""
+    histories = [list(session.opening) for _ in urls]
+    turns: list[list[Turn]] = [[] for _ in urls]
     # llama-server closes a connection after a stream: a fresh one per request
-    with httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        for ask in session.asks:
-            messages = messages + [{"role": "user", "content": ask}] if turns else messages[:-1] + [
-                {"role": "user", "content": messages[-1]["content"] + "\n\n" + ask}]
-            turn = stream_chat(client, messages, max_tokens)
-            turns.append(turn)
-            messages = messages + [{"role": "assistant", "content": turn.text}]
+    clients = [httpx.Client(base_url=u, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) for u in urls]
+    try:
+        for i in range(len(session.asks)):
+            for j, client in enumerate(clients):
+                messages = next_messages(session, histories[j], i)
+                turn = stream_chat(client, messages, max_tokens)
+                turns[j].append(turn)
+                histories[j] = messages + [{"role": "assistant", "content": turn.text}]
+    finally:
+        for client in clients:
+            client.close()
     return turns
 
 
@@ -169,11 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[list[Turn]]] = {}
     servers = server_argvs(args.forerun, args.max_len, args.llama_server, args.gguf, args.threads, args.llama_extra)
     with Servers(servers, out) as urls:
-        for session in sessions:  # servers take turns, session by session
-            for label, url in urls:
-                turns = play(url, session, args.max_tokens)
+        for session in sessions:  # servers take turns, turn by turn
+            played = play_interleaved([url for _, url in urls], session, args.max_tokens)
+            first_s = sum(t.seconds for t in played[0])
+            for (label, _), turns in zip(urls, played):
                 results.setdefault(label, []).append(turns)
-                print(json.dumps({"server": label, "module": session.module, "session_s": round(sum(t.seconds for t in turns), 2),
+                session_s = sum(t.seconds for t in turns)
+                print(json.dumps({"server": label, "module": session.module, "session_s": round(session_s, 2),
+                                  "vs_first": round(session_s / first_s, 3),
                                   "ttft_s": [round(t.ttft, 2) for t in turns], "tokens": [t.tokens for t in turns],
                                   "prompt": [t.prompt_tokens for t in turns], "cached": [t.cached_tokens for t in turns]}),
                       flush=True)

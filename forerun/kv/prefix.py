@@ -144,7 +144,7 @@ class PrefixPool:
         for key in keys:  # the whole chain is fresh now: evict others before any of it
             if key in self.blocks:
                 self.blocks[key].used = next(self._clock)
-        stored = 0
+        stored, tokens_kept = 0, 0
         if new:
             lo, hi = new[0] * self.block_size, (new[-1] + 1) * self.block_size
             ks, vs = cache.export_slots(row, lo, hi)  # [layers, H_kv, hi - lo, D]
@@ -154,7 +154,7 @@ class PrefixPool:
                 if not self._keep(keys[i], parent, tuple(tokens[lo + s : lo + s + self.block_size]),
                                   ks[:, :, s : s + self.block_size], vs[:, :, s : s + self.block_size], set(keys[: i + 1])):
                     break  # no room, or its parent could not be kept (a child without one is never reached)
-                stored += 1
+                stored, tokens_kept = stored + 1, tokens_kept + self.block_size
         whole = len(keys) * self.block_size
         if keys and computed > whole and keys[-1] in self.blocks:
             tail = tuple(tokens[whole:computed])
@@ -164,8 +164,9 @@ class PrefixPool:
                 self.blocks[covering[0]].used = next(self._clock)
             else:
                 ks, vs = cache.export_slots(row, whole, computed)
-                stored += self._keep(key, keys[-1], tail, ks, vs, set(keys) | {key})
-        self.stats.stored += stored * self.block_size
+                if self._keep(key, keys[-1], tail, ks, vs, set(keys) | {key}):
+                    stored, tokens_kept = stored + 1, tokens_kept + len(tail)
+        self.stats.stored += tokens_kept
         return stored
 
     def _keep(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], k: torch.Tensor, v: torch.Tensor,
