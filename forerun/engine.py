@@ -97,7 +97,7 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     prefill(model, cache, seqs, drafter, starts)
     feed_drafter = getattr(drafter, "observe_prompts", None)
     if feed_drafter is not None:  # a draft model's own cache takes the prompts in the prefill too
-        feed_drafter([(s.row, s.tokens) for s in seqs])
+        feed_drafter([(s.row, s.tokens) for s in seqs], salt=job.cache_salt)
     t_prefill = time.perf_counter() - t0
     active = list(seqs)
     while active:

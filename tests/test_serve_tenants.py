@@ -91,3 +91,27 @@ def test_suffix_drafts_come_from_the_tenants_own_earlier_outputs():
         assert len(store.hay(salt(bob, None))) == 41
         # alice's second answer is her first one again: drafted from it nearly whole; bob's first is not
         assert again["forerun"]["accepted"] > other["forerun"]["accepted"] and again["forerun"]["accepted"] >= 30, (again["forerun"], other["forerun"])
+
+
+def test_a_draft_models_cached_blocks_serve_their_tenant_only():
+    """The draft model's own prefix cache is scoped as the verifier's is: bob's prompt, the same
+    text as alice's, reads none of the draft model's blocks that alice's requests left."""
+    from forerun.llm import LLM
+    from tests.serve_util import VOCAB
+    from tests.tiny import tiny_model
+
+    # (no tokenizer: the draft model's vocabulary is checked by its width)
+    draft = LLM(tiny_model(seed=1, dtype="int4", vocab_size=VOCAB, hidden_size=64, intermediate_size=128), dtype="int4")
+    spec = SpeculativeConfig("draft_model", 3, draft_model=draft)
+    with server(spec) as s, s.client() as c:
+        pool = draft.prefix_cache
+        ask(c, "alice-key")
+        wait_idle(s.scheduler)
+        assert pool.stats.stored > 0  # alice's K/V in the draft model's pool
+        hit = pool.stats.hit
+        ask(c, "alice-key")
+        wait_idle(s.scheduler)
+        assert pool.stats.hit > hit  # her own blocks read again
+        hit = pool.stats.hit
+        ask(c, "bob-key")
+        assert pool.stats.hit == hit  # none of hers for bob

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                 results.setdefault(label, []).append(turns)
                 session_s = sum(t.seconds for t in turns)
                 print(json.dumps({"server": label, "module": session.module, "session_s": round(session_s, 2),
-                                  "vs_first": round(session_s / first_s, 3),
+                                  "vs_first": round(session_s / first_s, 3) if first_s else None,
                                   "ttft_s": [round(t.ttft, 2) for t in turns], "tokens": [t.tokens for t in turns],
                                   "prompt": [t.prompt_tokens for t in turns], "cached": [t.cached_tokens for t in turns]}),
                       flush=True)

@@ -118,8 +118,9 @@ class Drafter(Protocol):
     # (before the accepted tokens are committed), e.g. to update a Jacobi window.
     # Optional: `observe_hidden(rows: list[HiddenRows])`: having it is how a drafter asks for
     # the verifier's hidden states; called after prefill and after each verification.
-    # Optional: `observe_prompts([(row, prompt tokens)])`: generate's prefill hands a drafter
-    # with its own cache the prompts (timed as prefill); the server's rows feed them lazily.
+    # Optional: `observe_prompts([(row, prompt tokens)], salt)`: generate's prefill hands a drafter
+    # with its own cache the prompts (timed as prefill; `salt` scopes its prefix cache as the
+    # verifier's is scoped); the server's rows feed them lazily (DraftRequest.tenant).
     # Optional: `retire(request: DraftRequest)`: the sequence in request.row ended with
     # request.tokens (k = 0); a draft model keeps its cache's blocks, suffix decoding the output.
 

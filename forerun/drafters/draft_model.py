@@ -77,11 +77,12 @@ class DraftModelDrafter:
     def retire(self, r: DraftRequest) -> None:
         """The sequence in r.row ended with r.tokens: keep the draft cache's whole blocks of it."""
         if self.prefix is not None and self.cache is not None and self.synced.get(r.row):
-            self.prefix.store(r.tokens, self.cache, r.row, min(self.synced[r.row], len(r.tokens) - 1))
+            self.prefix.store(r.tokens, self.cache, r.row, min(self.synced[r.row], len(r.tokens) - 1), r.tenant)
 
-    def _restore(self, row: int, tokens: list[int]) -> int:
-        """Copy the cached blocks that start a new row's tokens into the draft cache; their count."""
-        return self.prefix.read(tokens, self.cache, row) if self.prefix is not None else 0
+    def _restore(self, row: int, tokens: list[int], salt: bytes) -> int:
+        """Copy the cached K/V that start a new row's tokens into the draft cache (the tenant's
+        own: `salt` as the verifier's prefix cache has it); the tokens they cover."""
+        return self.prefix.read(tokens, self.cache, row, salt) if self.prefix is not None else 0
 
     def release(self, row: int) -> None:
         """A new sequence takes this row (the server's continuous batching)."""
@@ -90,7 +91,7 @@ class DraftModelDrafter:
         forget_row(self.head, row)
 
     @torch.inference_mode()
-    def observe_prompts(self, prompts: list[tuple[int, list[int]]]) -> None:
+    def observe_prompts(self, prompts: list[tuple[int, list[int]]], salt: bytes = b"") -> None:
         """(row, prompt tokens) of a generate call, in its prefill: write each prompt but its
         last token into the draft cache now, as the verifier's prefill does (llama.cpp's
         speculative example evaluates the prompt with both models before decoding too), so
@@ -100,7 +101,7 @@ class DraftModelDrafter:
         if not feeds:
             return
         t0 = time.perf_counter()
-        starts = [self._restore(row, toks) for row, toks in feeds]
+        starts = [self._restore(row, toks, salt) for row, toks in feeds]
         feed_all_but_last(self.model, self.cache, [row for row, _ in feeds], [(n, toks[n:]) for n, (_, toks) in zip(starts, feeds)])
         for row, toks in feeds:
             self.synced[row], self.tail[row] = len(toks) - 1, []
@@ -133,7 +134,7 @@ class DraftModelDrafter:
         feeds = [self._catch_up(r) for r in live]
         for i, r in enumerate(live):  # a new row's prompt: its cached blocks first
             if r.row not in self.synced and feeds[i][0] == 0 and len(feeds[i][1]) > INLINE_FEED:
-                n = self._restore(r.row, r.tokens)
+                n = self._restore(r.row, r.tokens, r.tenant)
                 feeds[i] = (n, r.tokens[n:])
         for_rows(self.head, live)
         starts, new = [s for s, _ in feeds], [toks for _, toks in feeds]

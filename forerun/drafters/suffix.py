@@ -119,9 +119,9 @@ class SuffixDrafter:
         if self.fallback is not None and hasattr(self.fallback, "release"):
             self.fallback.release(row)
 
-    def observe_prompts(self, prompts: list[tuple[int, list[int]]]) -> None:
+    def observe_prompts(self, prompts: list[tuple[int, list[int]]], salt: bytes = b"") -> None:
         if self.fallback is not None and hasattr(self.fallback, "observe_prompts"):
-            self.fallback.observe_prompts(prompts)
+            self.fallback.observe_prompts(prompts, salt)
 
     def unfed(self, row: int, tokens: list[int]) -> int:
         return self.fallback.unfed(row, tokens) if hasattr(self.fallback, "unfed") else 0
