@@ -73,8 +73,9 @@ def test_restored_kv_and_logits_equal_computed_ones():
         assert torch.equal(kw[0, :, :100], kc[0, :, :100]) and torch.equal(vw[0, :, :100], vc[0, :, :100])
 
 
-@pytest.mark.parametrize("stage", [1 << 30, 1], ids=["one-run", "a-block-a-run"])
-def test_a_restore_copies_the_same_bits_into_rows_and_a_paged_pool(monkeypatch, stage):
+@pytest.mark.parametrize("stage,pool_block", [(1 << 30, 16), (1, 16), (1 << 30, 8)],
+                         ids=["one-run", "a-block-a-run", "pool-blocks-of-8"])
+def test_a_restore_copies_the_same_bits_into_rows_and_a_paged_pool(monkeypatch, stage, pool_block):
     from forerun.kv import prefix
     from forerun.kv.paged import PagedKVCache
 
@@ -82,8 +83,9 @@ def test_a_restore_copies_the_same_bits_into_rows_and_a_paged_pool(monkeypatch, 
     llm.generate([TURN1], GREEDY)
     match = llm.prefix_cache.lookup(TURN1)  # 6 whole blocks and 3 tokens of a 7th
     monkeypatch.setattr(prefix, "STAGE_BYTES", stage)
-    rows, paged = llm.model.new_cache(2, 128), PagedKVCache(llm.model, rows=2, capacity=128, num_blocks=16, block_size=16)
-    paged.set_table(1, [9, 3, 14, 0, 7, 12, 5, 1])  # scattered pool blocks
+    rows = llm.model.new_cache(2, 128)
+    paged = PagedKVCache(llm.model, rows=2, capacity=128, num_blocks=32, block_size=pool_block)
+    paged.set_table(1, [9, 3, 14, 0, 7, 12, 5, 1, 20, 31, 2, 17, 25, 4, 11, 28][: 128 // pool_block])  # scattered
     assert restore(match, rows, 1) == restore(match, paged, 1) == 99
     for layer in range(len(rows.k)):
         want_k = torch.cat([b.k[layer] for b in match.blocks] + [match.tail.k[layer][:, :3]], dim=1)  # [H, 99, D]

@@ -75,7 +75,7 @@ class DraftModelDrafter:
         reset_rows(self.head)
 
     def retire(self, r: DraftRequest) -> None:
-        """The sequence in r.row ended with r.tokens: keep the draft cache's whole blocks of it."""
+        """The sequence in r.row ended with r.tokens: keep the draft cache's blocks of it (under its tenant's salt)."""
         if self.prefix is not None and self.cache is not None and self.synced.get(r.row):
             self.prefix.store(r.tokens, self.cache, r.row, min(self.synced[r.row], len(r.tokens) - 1), r.tenant)
 
