@@ -90,7 +90,7 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
         drafter.start(len(seqs), capacity, cache)
     t0 = time.perf_counter()
     starts = [0] * len(seqs)
-    if job.prefix is not None:  # K/V of cached whole blocks copied in; prefill computes the rest
+    if job.prefix is not None:  # K/V of the cached prefix copied in (to the token); prefill computes the rest
         starts = [job.prefix.read(s.tokens, cache, s.row, job.cache_salt) for s in seqs]
         for s, n in zip(seqs, starts):
             s.stats.cached_tokens = n

@@ -1,5 +1,5 @@
-"""Automatic prefix caching: full KV blocks kept after a request, reused by a later one whose
-tokens start the same way.
+"""Automatic prefix caching: a request's KV blocks kept after it (whole ones, and its last partial
+one), reused by a later request whose tokens start the same way.
 
 A block is `block_size` consecutive tokens at whole-block positions. Its key is SHA-256 over
 its parent's key (the block before it: a key names the whole prefix, not the block alone),
@@ -178,7 +178,8 @@ class PrefixPool:
         if not self._make_room(nbytes, keep) or (parent is not None and parent not in self.blocks):
             return False
         if parent is not None:
-            for other in [o for o in self.kids.get(parent, ()) if _shared(self.blocks[o].tokens, tokens) == len(self.blocks[o].tokens)]:
+            held = [o for o in self.kids.get(parent, ()) if _shared(self.blocks[o].tokens, tokens) == len(self.blocks[o].tokens)]
+            for other in held:  # tails this block continues
                 self._drop(other)
             self.blocks[parent].children += 1
             self.kids.setdefault(parent, set()).add(key)

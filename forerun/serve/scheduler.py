@@ -371,7 +371,7 @@ class Scheduler:
         return n
 
     def _keep(self, lv: Live) -> None:
-        """Store the whole blocks the row computed (prompt and answer: the next turn resends both),
+        """Store the blocks the row computed (prompt and answer: the next turn resends both),
         and the drafter's own (a draft model's cache) where it keeps them."""
         retire = getattr(self.drafter, "retire", None)
         if retire is not None:
@@ -379,7 +379,7 @@ class Scheduler:
         self._store_blocks(lv)
 
     def _store_blocks(self, lv: Live) -> None:
-        """The whole blocks lv's row computed, into the prefix cache (where it is on)."""
+        """The blocks lv's row computed (whole, and its last partial one), into the prefix cache (where it is on)."""
         if self.prefix is not None:
             row = lv.seq.row
             with self._prefix_lock:
