@@ -15,6 +15,8 @@ def test_sessions_are_built_from_the_standard_library_at_run_time():
         assert [m["role"] for m in s.opening] == ["system", "user"] and "read_file" in s.opening[0]["content"]
         assert len(s.asks) == 4 and all("Tool result:" in a for a in s.asks[1:])
         assert "def " in s.opening[1]["content"]
+    many = sessions.build_sessions(8, 4)  # the two of the published runs first, then six more
+    assert [s.module for s in many][:2] == ["bisect", "calendar"] and len({s.module for s in many}) == 8
 
 
 def test_a_session_resends_its_history_and_the_figures_come_from_the_stream():

@@ -33,7 +33,9 @@ import httpx
 
 from forerun.bench.loadgen import ChatStream
 
-MODULES = ("textwrap", "difflib", "shlex", "fractions", "heapq", "bisect", "calendar", "string")
+# (at 4 turns, bisect and calendar come first; the modules after them let --sessions go to 8)
+MODULES = ("textwrap", "difflib", "shlex", "fractions", "heapq", "bisect", "calendar", "string",
+           "posixpath", "genericpath", "base64", "fnmatch", "linecache", "pprint")
 TOOLS = [  # the schemas an agent's system prompt carries (the shape of OpenAI's function tools)
     {"name": "read_file", "description": "Read a file of the repository.",
      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
