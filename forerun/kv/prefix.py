@@ -35,12 +35,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _token_bytes(tokens) -> bytes:
+    """Token ids as a key hashes them: decimal, '|' between."""
+    return b"|".join(str(t).encode() for t in tokens)
+
+
 def block_keys(tokens: list[int], block_size: int, salt: bytes) -> list[bytes]:
     """The chained SHA-256 key of every whole block of `tokens`."""
     keys, parent = [], b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
         h = hashlib.sha256(parent)
-        h.update(b"|".join(str(t).encode() for t in tokens[start : start + block_size]))
+        h.update(_token_bytes(tokens[start : start + block_size]))
         h.update(b"#" + salt)
         parent = h.digest()
         keys.append(parent)
@@ -51,7 +56,7 @@ def tail_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
     """The key of a partial block (fewer than block_size tokens) after the block `parent`: never
     equal to a whole block's key (another text is hashed), so a whole-block lookup never finds it."""
     h = hashlib.sha256(b"tail|" + parent)
-    h.update(b"|".join(str(t).encode() for t in tokens))
+    h.update(_token_bytes(tokens))
     return h.digest()
 
 
