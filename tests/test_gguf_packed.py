@@ -76,6 +76,15 @@ def test_the_simd_path_gives_the_plain_definitions_bits(t):
     assert torch.equal(simd, plain)
     for a, b in [(0, 1), (3, 5), (5, 8), (8, 15), (12, 19)]:  # tiles of 1, 2, 3, 7 and 7 tokens
         assert torch.equal(packed_rows(x[a:b], parts, bias), plain[a:b])
+    # AVX2: Q4_K and Q6_K also through the loop that takes one 8-row half at a time (Q5_K's)
+    kernel = kernel_loader.load()
+    was = kernel.set_gguf_paired_halves(False)
+    try:
+        assert torch.equal(packed_rows(x, parts, bias), plain)
+        for a, b in [(0, 1), (5, 8), (12, 19)]:
+            assert torch.equal(packed_rows(x[a:b], parts, bias), plain[a:b])
+    finally:
+        kernel.set_gguf_paired_halves(was)
 
 
 @pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])

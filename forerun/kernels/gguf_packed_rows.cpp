@@ -46,7 +46,9 @@
 // vector): vpdpbusd's exact int32 sums as maddubs + madd, a sub-block's scale applied by that
 // madd (the same integer sum_s sc_s * dot_s), Q8_0's signed bytes as |q| . sign(qa, q), and
 // the VNNI path's float operations lane for lane: the same bits (tests/test_gguf_packed.py holds
-// each SIMD path to the plain C++ definition with torch.equal). The 1.5B's MLP and attention
+// each SIMD path to the plain C++ definition with torch.equal). Q4_K and Q6_K take both halves
+// per broadcast of the activations (tile_dots_q4k_avx2, tile_dots_q6k_avx2): one pass over a
+// tile's bytes instead of two, and half the broadcasts. The 1.5B's MLP and attention
 // matrices, 512 tokens, 2 threads, a Zen 3 EPYC without AVX512: 259 ms against the row
 // kernel's 505 ms; one token 1.9 against 4.7 ms (matrices in cache).
 #include "kernels.h"
@@ -60,6 +62,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include <atomic>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -252,6 +255,7 @@ struct Acts {
   std::vector<int8_t> qa;
   std::vector<float> da;
   std::vector<int32_t> bp, b32, s32;
+  std::vector<int32_t> b16p;  // qk 256: the sums of 16 values in pairs as int16 x 2 [N, K/32] (Q6_K's AVX2 tile)
 };
 
 Acts quantize(const float* x, int64_t N, int64_t K, int64_t qk) {
@@ -268,6 +272,9 @@ Acts quantize(const float* x, int64_t N, int64_t K, int64_t qk) {
   }
   a.bp.resize(N * (K / 64));
   a.b32.resize(N * (K / 16));
+  a.b16p.resize(N * (K / 32));
+  for (int64_t i = 0; i < N * (K / 32); ++i)
+    a.b16p[i] = int32_t((uint32_t(uint16_t(bsum[2 * i + 1])) << 16) | uint16_t(bsum[2 * i]));
   for (int64_t i = 0; i < N * (K / 16); ++i) a.b32[i] = 32 * int32_t(bsum[i]);
   for (int64_t i = 0; i < N * (K / 64); ++i) {
     const int32_t s0 = int32_t(bsum[4 * i]) + bsum[4 * i + 1], s1 = int32_t(bsum[4 * i + 2]) + bsum[4 * i + 3];
@@ -538,6 +545,206 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
 }
 
 // One tile (16 rows) for TB tokens: out[t * 16 + l]. qa, da, bp / b32 point at token 0.
+// Benchmark switch: false sends Q4_K and Q6_K through tile_dots' AVX2 loop (one 8-row half at
+// a time, as Q5_K still runs) instead of their paired tiles below: the same bits, so
+// scripts/gguf_tiles_ab.py can time both in one process.
+std::atomic<bool> paired_halves{true};
+#ifdef FORERUN_GGUF_AVX2
+// Q4_K on AVX2: both 8-row halves of a 64-byte vector at once, so each broadcast of 4
+// activations serves two maddubs (the K-quant loop below broadcasts once per maddubs, and
+// broadcasts from memory cost about a maddubs each on Zen 3: 8 maddubs + 8 adds + 8
+// broadcasts 1.65 ns, with 4 broadcasts 1.26 ns, the maddubs alone 1.26). A sub-block's 4
+// vectors go in two passes of 2, whose 8 unpacked weight vectors stay in registers while
+// every token's body runs; the body is inline assembly because GCC, short of the 16 ymm
+// registers, unpacked weights again inside the token loop and stored each sum twice. Each
+// pass sums 4 maddubs results per row in int16 (at most 4 x 2 x 15 x 127 = 15240) before the
+// scale's madd: the same exact int32 sums as tile_dots' AVX2 loop, and its float operations
+// per block in its order, so the same bits (tests/test_gguf_packed.py). And one pass over a
+// tile's bytes where that loop made two (a half each, every cache line read twice). Timed
+// against that loop on a 1008 x 1536 matrix in cache, 1 thread, 8 tokens, this 2-core Zen 3
+// EPYC (standalone, alternated): 95-96 -> 100-107 G multiply-accumulates/s in its fast
+// phases; the 1.5B's forwards with both paired tiles: scripts/gguf_tiles_ab.py.
+template <int TB>
+void tile_dots_q4k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* bp,
+                        float* out) {
+  constexpr Packed P = layout_of(Q4_K);
+  const __m256i m4 = _mm256_set1_epi8(15), low16 = _mm256_set1_epi32(0xFFFF);
+  __m256 acc[2][TB];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TB; ++t) acc[h][t] = _mm256_setzero_ps();
+  alignas(32) __m256i isum[TB][2];  // per token: rows 0-7, rows 8-15
+  alignas(32) __m256i sc16[2];      // the sub-block's scale per row of each half, in both 16-bit halves of a lane
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * P.bytes;
+    for (int t = 0; t < TB; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      prefetch_ahead(blk, P.bytes, s, 8);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + P.sc + 16 * s + 8 * h)));
+        sc16[h] = _mm256_or_si256(_mm256_and_si256(sc32, low16), _mm256_slli_epi32(sc32, 16));
+      }
+      for (int pass = 0; pass < 2; ++pass) {  // vectors 4s + 2 pass and 4s + 2 pass + 1: inputs 32s + 16 pass ..
+        const uint8_t* x = blk + 64 * (4 * s + 2 * pass);
+        const __m256i x00 = load32(x), x01 = load32(x + 64), x10 = load32(x + 32), x11 = load32(x + 96);  // [half][vector]
+        const __m256i l00 = _mm256_and_si256(x00, m4), h00 = _mm256_and_si256(_mm256_srli_epi16(x00, 4), m4);
+        const __m256i l01 = _mm256_and_si256(x01, m4), h01 = _mm256_and_si256(_mm256_srli_epi16(x01, 4), m4);
+        const __m256i l10 = _mm256_and_si256(x10, m4), h10 = _mm256_and_si256(_mm256_srli_epi16(x10, 4), m4);
+        const __m256i l11 = _mm256_and_si256(x11, m4), h11 = _mm256_and_si256(_mm256_srli_epi16(x11, 4), m4);
+        const int8_t* xs = qa + b * QK + 32 * s + 16 * pass;
+        for (int t = 0; t < TB; ++t) {
+          // isum[t][h] += madd(sc16[h], maddubs(l_h0, a0..3) + maddubs(h_h0, a4..7) + maddubs(l_h1, a8..11)
+          //                            + maddubs(h_h1, a12..15)), with a = this token's 16 inputs
+          asm volatile(
+              "vpbroadcastd (%[a]), %%ymm12\n\t"
+              "vpbroadcastd 4(%[a]), %%ymm13\n\t"
+              "vpbroadcastd 8(%[a]), %%ymm14\n\t"
+              "vpbroadcastd 12(%[a]), %%ymm15\n\t"
+              "vpmaddubsw %%ymm12, %[l00], %%ymm8\n\t"
+              "vpmaddubsw %%ymm13, %[h00], %%ymm9\n\t"
+              "vpmaddubsw %%ymm12, %[l10], %%ymm10\n\t"
+              "vpmaddubsw %%ymm13, %[h10], %%ymm11\n\t"
+              "vpaddw %%ymm9, %%ymm8, %%ymm8\n\t"
+              "vpaddw %%ymm11, %%ymm10, %%ymm10\n\t"
+              "vpmaddubsw %%ymm14, %[l01], %%ymm9\n\t"
+              "vpmaddubsw %%ymm15, %[h01], %%ymm12\n\t"
+              "vpmaddubsw %%ymm14, %[l11], %%ymm11\n\t"
+              "vpmaddubsw %%ymm15, %[h11], %%ymm13\n\t"
+              "vpaddw %%ymm12, %%ymm9, %%ymm9\n\t"
+              "vpaddw %%ymm13, %%ymm11, %%ymm11\n\t"
+              "vpaddw %%ymm9, %%ymm8, %%ymm8\n\t"
+              "vpaddw %%ymm11, %%ymm10, %%ymm10\n\t"
+              "vpmaddwd %[s0], %%ymm8, %%ymm8\n\t"
+              "vpmaddwd %[s1], %%ymm10, %%ymm10\n\t"
+              "vpaddd %[i0], %%ymm8, %%ymm8\n\t"
+              "vpaddd %[i1], %%ymm10, %%ymm10\n\t"
+              "vmovdqa %%ymm8, %[i0]\n\t"
+              "vmovdqa %%ymm10, %[i1]\n\t"
+              : [i0] "+m"(isum[t][0]), [i1] "+m"(isum[t][1])
+              : [a] "r"(xs + t * K), [l00] "x"(l00), [h00] "x"(h00), [l01] "x"(l01), [h01] "x"(h01), [l10] "x"(l10),
+                [h10] "x"(h10), [l11] "x"(l11), [h11] "x"(h11), [s0] "m"(sc16[0]), [s1] "m"(sc16[1])
+              : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {  // the minimums and the float operations: tile_dots' AVX2 loop's, per half
+      const __m256 dv = half8(blk + P.d + 16 * h), mv = half8(blk + P.dmin + 16 * h);
+      __m256i msum[TB];
+      for (int t = 0; t < TB; ++t) msum[t] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i mn = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + P.mn + 32 * p + 16 * h)));
+        for (int t = 0; t < TB; ++t)
+          msum[t] = _mm256_add_epi32(msum[t], _mm256_madd_epi16(mn, _mm256_set1_epi32(bp[t * (K / 64) + 4 * b + p])));
+      }
+      for (int t = 0; t < TB; ++t) {
+        const __m256 dd = _mm256_set1_ps(da[t * nb + b]);
+        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][h]), _mm256_mul_ps(dv, dd), acc[h][t]);
+        acc[h][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(mv, dd), acc[h][t]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + LANES * t + 8 * h, acc[h][t]);
+}
+
+// Q6_K on AVX2, as tile_dots_q4k_avx2: a sub-block's 2 vectors of both halves (8 unpacked
+// registers: 4-bit values with their top 2 bits, 0..63) against each token's 16 inputs, one
+// madd per vector (2 x 2 x 63 x 127 = 32004 fits int16, two vectors would not). The
+// 32 x bsum term is taken off once a block rather than once a sub-block: 32 x sum_s sc_s
+// bsum_s per row, by madd over pairs of sub-blocks (each row's two scales side by side in
+// int16 against the token's two 16-value sums), where the K-quant loop below runs a vpmulld
+// per sub-block and token. Exact int32 either way (sum_s sc_s dot_s stays within 16 x 128 x
+// 16 x 63 x 127 < 2^31 before the term comes off), so the same bits. Standalone, as above:
+// 72 -> 77-80 G multiply-accumulates/s.
+template <int TB>
+void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da,
+                        const int32_t* b16p, float* out) {
+  constexpr Packed P = layout_of(Q6_K);
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
+  __m256 acc[2][TB];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TB; ++t) acc[h][t] = _mm256_setzero_ps();
+  alignas(32) __m256i isum[TB][2];
+  alignas(32) __m256i sc16[2];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * P.bytes;
+    for (int t = 0; t < TB; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 16; ++s) {
+      prefetch_ahead(blk, P.bytes, s, 16);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + P.sc + 16 * s + 8 * h)));
+        sc16[h] = _mm256_or_si256(_mm256_and_si256(sc32, low16), _mm256_slli_epi32(sc32, 16));
+      }
+      __m256i wl[2][2], wh[2][2];  // [half][vector]: operands 2v (lo) and 2v + 1 (hi), top bits as tile_dots
+      for (int h = 0; h < 2; ++h) {
+        const __m256i hv = load32(blk + P.hi + 64 * s + 32 * h);
+        for (int v = 0; v < 2; ++v) {
+          const __m256i x = load32(blk + 64 * (2 * s + v) + 32 * h);
+          const __m256i h0 = v == 0 ? _mm256_slli_epi16(hv, 4) : hv;
+          const __m256i h1 = v == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
+          wl[h][v] = _mm256_or_si256(_mm256_and_si256(x, m4), _mm256_and_si256(h0, m30));
+          wh[h][v] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 4), m4), _mm256_and_si256(h1, m30));
+        }
+      }
+      const int8_t* xs = qa + b * QK + 16 * s;
+      for (int t = 0; t < TB; ++t) {
+        // isum[t][h] += madd(sc16[h], maddubs(wl[h][0], a0..3) + maddubs(wh[h][0], a4..7))
+        //             + madd(sc16[h], maddubs(wl[h][1], a8..11) + maddubs(wh[h][1], a12..15))
+        asm volatile(
+            "vpbroadcastd (%[a]), %%ymm12\n\t"
+            "vpbroadcastd 4(%[a]), %%ymm13\n\t"
+            "vpbroadcastd 8(%[a]), %%ymm14\n\t"
+            "vpbroadcastd 12(%[a]), %%ymm15\n\t"
+            "vpmaddubsw %%ymm12, %[l00], %%ymm8\n\t"
+            "vpmaddubsw %%ymm13, %[h00], %%ymm9\n\t"
+            "vpmaddubsw %%ymm14, %[l01], %%ymm10\n\t"
+            "vpmaddubsw %%ymm15, %[h01], %%ymm11\n\t"
+            "vpaddw %%ymm9, %%ymm8, %%ymm8\n\t"
+            "vpaddw %%ymm11, %%ymm10, %%ymm10\n\t"
+            "vpmaddwd %[s0], %%ymm8, %%ymm8\n\t"
+            "vpmaddwd %[s0], %%ymm10, %%ymm10\n\t"
+            "vpaddd %%ymm10, %%ymm8, %%ymm8\n\t"
+            "vpaddd %[i0], %%ymm8, %%ymm8\n\t"
+            "vmovdqa %%ymm8, %[i0]\n\t"
+            "vpmaddubsw %%ymm12, %[l10], %%ymm9\n\t"
+            "vpmaddubsw %%ymm13, %[h10], %%ymm10\n\t"
+            "vpmaddubsw %%ymm14, %[l11], %%ymm11\n\t"
+            "vpmaddubsw %%ymm15, %[h11], %%ymm12\n\t"
+            "vpaddw %%ymm10, %%ymm9, %%ymm9\n\t"
+            "vpaddw %%ymm12, %%ymm11, %%ymm11\n\t"
+            "vpmaddwd %[s1], %%ymm9, %%ymm9\n\t"
+            "vpmaddwd %[s1], %%ymm11, %%ymm11\n\t"
+            "vpaddd %%ymm11, %%ymm9, %%ymm9\n\t"
+            "vpaddd %[i1], %%ymm9, %%ymm9\n\t"
+            "vmovdqa %%ymm9, %[i1]\n\t"
+            : [i0] "+m"(isum[t][0]), [i1] "+m"(isum[t][1])
+            : [a] "r"(xs + t * K), [l00] "x"(wl[0][0]), [h00] "x"(wh[0][0]), [l01] "x"(wl[0][1]), [h01] "x"(wh[0][1]),
+              [l10] "x"(wl[1][0]), [h10] "x"(wh[1][0]), [l11] "x"(wl[1][1]), [h11] "x"(wh[1][1]), [s0] "m"(sc16[0]),
+              [s1] "m"(sc16[1])
+            : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i scp[8];  // sub-blocks 2q and 2q + 1: row l's scales in int16 lanes 2l and 2l + 1
+      for (int q = 0; q < 8; ++q) {
+        const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + P.sc + 16 * (2 * q) + 8 * h));
+        const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + P.sc + 16 * (2 * q + 1) + 8 * h));
+        scp[q] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));
+      }
+      const __m256 dv = half8(blk + P.d + 16 * h);
+      for (int t = 0; t < TB; ++t) {
+        __m256i bs = _mm256_setzero_si256();
+        for (int q = 0; q < 8; ++q)
+          bs = _mm256_add_epi32(bs, _mm256_madd_epi16(scp[q], _mm256_set1_epi32(b16p[t * (K / 32) + 8 * b + q])));
+        const __m256i is = _mm256_sub_epi32(isum[t][h], _mm256_slli_epi32(bs, 5));
+        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dv, _mm256_set1_ps(da[t * nb + b])), acc[h][t]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + LANES * t + 8 * h, acc[h][t]);
+}
+#endif
+
 template <int64_t TYPE, int TB>
 void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* bp,
                const int32_t* b32, float* out) {
@@ -600,7 +807,8 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
   }
   for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + LANES * t, acc[t]);
 #elif defined(FORERUN_GGUF_AVX2)
-  // Two passes of 8 rows (half h of each 64-byte vector). A sub-block's products are summed
+  // Q5_K (and Q4_K / Q6_K with paired_halves off; tile_tokens sends them to their paired
+  // tiles above by default). Two passes of 8 rows (half h of each 64-byte vector). A sub-block's products are summed
   // with its scale by madd (each row's scale in both 16-bit halves of its lane): the exact
   // int32 sum_s sc_s * dot_s the VNNI path gets with vpdpbusd and mullo; Q6_K's 32 x bsum
   // term taken off per sub-block after. The float operations are the VNNI path's.
@@ -679,6 +887,12 @@ template <int64_t TYPE, int TB>
 void tile_tokens(const uint8_t* w, int64_t nb, const Acts& a, int64_t t0, int64_t K, float* o, bool reference) {
   const int8_t* qa = a.qa.data() + t0 * K;
   const float* da = a.da.data() + t0 * nb;
+#ifdef FORERUN_GGUF_AVX2
+  if (!reference && paired_halves.load(std::memory_order_relaxed)) {
+    if constexpr (TYPE == Q4_K) return tile_dots_q4k_avx2<TB>(w, nb, qa, K, da, a.bp.data() + t0 * (K / 64), o);
+    if constexpr (TYPE == Q6_K) return tile_dots_q6k_avx2<TB>(w, nb, qa, K, da, a.b16p.data() + t0 * (K / 32), o);
+  }
+#endif
   if constexpr (legacy(TYPE))
     (reference ? scalar_dots32<TYPE, TB> : tile_dots32<TYPE, TB>)(w, nb, qa, K, da, a.s32.data() + t0 * nb, o);
   else
@@ -844,6 +1058,8 @@ std::string gguf_packed_isa() {
 }
 
 void bind_gguf_packed_rows(pybind11::module& m) {
+  m.def("set_gguf_paired_halves", [](bool on) { return paired_halves.exchange(on); },
+        "Q4_K and Q6_K on AVX2: both 8-row halves per broadcast (true, the default) or one at a time; returns the previous");
   m.def("gguf_pack", &gguf_pack, "GGUF rows rearranged 16 rows per tile (the same bits)");
   m.def("gguf_packed_select", &gguf_packed_select, "rows of a packed GGUF matrix, packed");
   m.def("gguf_packed_dequant", &gguf_packed_dequant, "rows of a packed GGUF matrix as float32 (ggml's values)");

@@ -1,0 +1,80 @@
+"""The AVX2 Q4_K / Q6_K tiles that take both 8-row halves per broadcast (the default) against
+the K-quant loop that takes one half at a time (`set_gguf_paired_halves(False)`), alternated
+in one process on the same forwards, so the machine's drift hits both alike.
+
+    python scripts/gguf_tiles_ab.py --model qwen2.5-coder-1.5b --context 300,2000 --rounds 9
+
+Per context length: a 128-token prefill chunk after that many cached tokens, and verifier
+forwards of 1, 4 and 9 tokens there (logits at every position), median seconds of each path
+and their ratio; the logits of the two paths must be equal (same bits), or it stops. Needs the
+kernels built for AVX2 without AVX512-VNNI (elsewhere the switch changes nothing). The prompt is
+the Python standard library's difflib.py, tokenized.
+"""
+import argparse
+import difflib
+import inspect
+import statistics
+import time
+
+import torch
+
+from forerun.kernels import loader as kernel_loader
+from forerun.kv.cache import chain_batch
+from forerun.llm import LLM
+from forerun.prefill import PrefixWrite, write_prefixes
+
+STEPS = (1, 4, 9)
+CHUNK = 128
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dtype", default="gguf")
+    ap.add_argument("--context", default="300,2000", help="cached tokens before the timed forwards, comma-separated")
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args()
+    kernel = kernel_loader.load()
+    if kernel is None or not hasattr(kernel, "set_gguf_paired_halves"):
+        raise SystemExit("these kernels have no set_gguf_paired_halves switch (FORERUN_NO_KERNELS, or an older build)")
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
+    model = llm.model
+    contexts = [int(c) for c in args.context.split(",")]
+    ids = []
+    while len(ids) < max(contexts) + CHUNK:
+        ids += llm.encode([inspect.getsource(difflib)])[0]
+    for ctx in contexts:
+        times: dict[tuple[str, bool], list[float]] = {}
+        with torch.inference_mode():
+            cache = model.new_cache(1, ctx + CHUNK + 1)
+            write_prefixes(model, cache, [PrefixWrite(0, 0, ids[:ctx])])
+            for _ in range(args.rounds):
+                logits = {}
+                for paired in (False, True):
+                    kernel.set_gguf_paired_halves(paired)
+                    dt, _ = timed(lambda: write_prefixes(model, cache, [PrefixWrite(0, ctx, ids[ctx:ctx + CHUNK])]))
+                    times.setdefault((f"prefill {CHUNK}", paired), []).append(dt)
+                    for n in STEPS:
+                        batch = chain_batch([ids[ctx:ctx + n]], [ctx], [0], model.device)
+                        dt, out = timed(lambda: model(batch, cache, logits_at="all"))
+                        times.setdefault((f"forward of {n}", paired), []).append(dt)
+                        logits[(n, paired)] = out.logits
+                for n in STEPS:
+                    if not torch.equal(logits[(n, False)], logits[(n, True)]):
+                        raise SystemExit(f"the two paths' logits differ (forward of {n} at {ctx} cached tokens)")
+        kernel.set_gguf_paired_halves(True)
+        for what in [f"prefill {CHUNK}"] + [f"forward of {n}" for n in STEPS]:
+            one, paired = statistics.median(times[(what, False)]), statistics.median(times[(what, True)])
+            print(f"{ctx} cached, {what}: one half at a time {one * 1e3:.0f} ms, paired {paired * 1e3:.0f} ms, "
+                  f"{one / paired:.3f}x", flush=True)
+    print("logits equal on both paths: yes")
+
+
+if __name__ == "__main__":
+    main()
