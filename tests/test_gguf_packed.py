@@ -74,7 +74,7 @@ def test_the_simd_path_gives_the_plain_definitions_bits(t):
     simd = packed_rows(x, parts, bias)
     plain = packed_rows(x, parts, bias, reference=True)
     assert torch.equal(simd, plain)
-    for a, b in [(0, 1), (3, 5), (5, 8), (8, 15), (12, 19)]:  # tiles of 1, 2, 3, 7 and 7 tokens
+    for a, b in [(0, 1), (3, 5), (5, 8), (0, 4), (3, 8), (0, 6), (8, 15), (12, 19)]:  # tiles of 1 to 8 tokens
         assert torch.equal(packed_rows(x[a:b], parts, bias), plain[a:b])
     # AVX2: Q4_K and Q6_K also through the loop that takes one 8-row half at a time (Q5_K's)
     kernel = kernel_loader.load()

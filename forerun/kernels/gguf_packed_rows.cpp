@@ -272,9 +272,11 @@ Acts quantize(const float* x, int64_t N, int64_t K, int64_t qk) {
   }
   a.bp.resize(N * (K / 64));
   a.b32.resize(N * (K / 16));
+#ifdef FORERUN_GGUF_AVX2
   a.b16p.resize(N * (K / 32));
   for (int64_t i = 0; i < N * (K / 32); ++i)
     a.b16p[i] = int32_t((uint32_t(uint16_t(bsum[2 * i + 1])) << 16) | uint16_t(bsum[2 * i]));
+#endif
   for (int64_t i = 0; i < N * (K / 16); ++i) a.b32[i] = 32 * int32_t(bsum[i]);
   for (int64_t i = 0; i < N * (K / 64); ++i) {
     const int32_t s0 = int32_t(bsum[4 * i]) + bsum[4 * i + 1], s1 = int32_t(bsum[4 * i + 2]) + bsum[4 * i + 3];
@@ -544,12 +546,32 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
 #endif
 }
 
-// One tile (16 rows) for TB tokens: out[t * 16 + l]. qa, da, bp / b32 point at token 0.
 // Benchmark switch: false sends Q4_K and Q6_K through tile_dots' AVX2 loop (one 8-row half at
 // a time, as Q5_K still runs) instead of their paired tiles below: the same bits, so
 // scripts/gguf_tiles_ab.py can time both in one process.
 std::atomic<bool> paired_halves{true};
 #ifdef FORERUN_GGUF_AVX2
+// The paired tiles' shared pieces. A token's 16 inputs broadcast 4 at a time into ymm12-15:
+#define BROADCAST_16_INPUTS                  \
+  "vpbroadcastd (%[a]), %%ymm12\n\t"        \
+  "vpbroadcastd 4(%[a]), %%ymm13\n\t"       \
+  "vpbroadcastd 8(%[a]), %%ymm14\n\t"       \
+  "vpbroadcastd 12(%[a]), %%ymm15\n\t"
+
+// Those 16 bytes as the asm's memory operand (it addresses them through %[a]): so the compiler
+// knows the asm reads them and keeps their stores before it.
+inline const int8_t (&inputs16(const int8_t* a))[16] { return *reinterpret_cast<const int8_t(*)[16]>(a); }
+
+// A sub-block's scale for each row of the two halves (sc: its 16 int8, row l at sc[l]), in both
+// 16-bit halves of the row's int32 lane: the madd operand of tile_dots' AVX2 loop.
+__attribute__((always_inline)) inline void sub_block_scales(const uint8_t* sc, __m256i* sc16) {
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h)));
+    sc16[h] = _mm256_or_si256(_mm256_and_si256(sc32, low16), _mm256_slli_epi32(sc32, 16));
+  }
+}
+
 // Q4_K on AVX2: both 8-row halves of a 64-byte vector at once, so each broadcast of 4
 // activations serves two maddubs (the K-quant loop below broadcasts once per maddubs, and
 // broadcasts from memory cost about a maddubs each on Zen 3: 8 maddubs + 8 adds + 8
@@ -568,7 +590,7 @@ template <int TB>
 void tile_dots_q4k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* bp,
                         float* out) {
   constexpr Packed P = layout_of(Q4_K);
-  const __m256i m4 = _mm256_set1_epi8(15), low16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i m4 = _mm256_set1_epi8(15);
   __m256 acc[2][TB];
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < TB; ++t) acc[h][t] = _mm256_setzero_ps();
@@ -579,10 +601,7 @@ void tile_dots_q4k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
     for (int t = 0; t < TB; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
     for (int s = 0; s < 8; ++s) {
       prefetch_ahead(blk, P.bytes, s, 8);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + P.sc + 16 * s + 8 * h)));
-        sc16[h] = _mm256_or_si256(_mm256_and_si256(sc32, low16), _mm256_slli_epi32(sc32, 16));
-      }
+      sub_block_scales(blk + P.sc + 16 * s, sc16);
       for (int pass = 0; pass < 2; ++pass) {  // vectors 4s + 2 pass and 4s + 2 pass + 1: inputs 32s + 16 pass ..
         const uint8_t* x = blk + 64 * (4 * s + 2 * pass);
         const __m256i x00 = load32(x), x01 = load32(x + 64), x10 = load32(x + 32), x11 = load32(x + 96);  // [half][vector]
@@ -595,10 +614,7 @@ void tile_dots_q4k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
           // isum[t][h] += madd(sc16[h], maddubs(l_h0, a0..3) + maddubs(h_h0, a4..7) + maddubs(l_h1, a8..11)
           //                            + maddubs(h_h1, a12..15)), with a = this token's 16 inputs
           asm volatile(
-              "vpbroadcastd (%[a]), %%ymm12\n\t"
-              "vpbroadcastd 4(%[a]), %%ymm13\n\t"
-              "vpbroadcastd 8(%[a]), %%ymm14\n\t"
-              "vpbroadcastd 12(%[a]), %%ymm15\n\t"
+              BROADCAST_16_INPUTS
               "vpmaddubsw %%ymm12, %[l00], %%ymm8\n\t"
               "vpmaddubsw %%ymm13, %[h00], %%ymm9\n\t"
               "vpmaddubsw %%ymm12, %[l10], %%ymm10\n\t"
@@ -620,7 +636,7 @@ void tile_dots_q4k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
               "vmovdqa %%ymm8, %[i0]\n\t"
               "vmovdqa %%ymm10, %[i1]\n\t"
               : [i0] "+m"(isum[t][0]), [i1] "+m"(isum[t][1])
-              : [a] "r"(xs + t * K), [l00] "x"(l00), [h00] "x"(h00), [l01] "x"(l01), [h01] "x"(h01), [l10] "x"(l10),
+              : [a] "r"(xs + t * K), [in] "m"(inputs16(xs + t * K)), [l00] "x"(l00), [h00] "x"(h00), [l01] "x"(l01), [h01] "x"(h01), [l10] "x"(l10),
                 [h10] "x"(h10), [l11] "x"(l11), [h11] "x"(h11), [s0] "m"(sc16[0]), [s1] "m"(sc16[1])
               : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
         }
@@ -659,7 +675,7 @@ template <int TB>
 void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da,
                         const int32_t* b16p, float* out) {
   constexpr Packed P = layout_of(Q6_K);
-  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
   __m256 acc[2][TB];
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < TB; ++t) acc[h][t] = _mm256_setzero_ps();
@@ -670,10 +686,7 @@ void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
     for (int t = 0; t < TB; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
     for (int s = 0; s < 16; ++s) {
       prefetch_ahead(blk, P.bytes, s, 16);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + P.sc + 16 * s + 8 * h)));
-        sc16[h] = _mm256_or_si256(_mm256_and_si256(sc32, low16), _mm256_slli_epi32(sc32, 16));
-      }
+      sub_block_scales(blk + P.sc + 16 * s, sc16);
       __m256i wl[2][2], wh[2][2];  // [half][vector]: operands 2v (lo) and 2v + 1 (hi), top bits as tile_dots
       for (int h = 0; h < 2; ++h) {
         const __m256i hv = load32(blk + P.hi + 64 * s + 32 * h);
@@ -690,10 +703,7 @@ void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
         // isum[t][h] += madd(sc16[h], maddubs(wl[h][0], a0..3) + maddubs(wh[h][0], a4..7))
         //             + madd(sc16[h], maddubs(wl[h][1], a8..11) + maddubs(wh[h][1], a12..15))
         asm volatile(
-            "vpbroadcastd (%[a]), %%ymm12\n\t"
-            "vpbroadcastd 4(%[a]), %%ymm13\n\t"
-            "vpbroadcastd 8(%[a]), %%ymm14\n\t"
-            "vpbroadcastd 12(%[a]), %%ymm15\n\t"
+            BROADCAST_16_INPUTS
             "vpmaddubsw %%ymm12, %[l00], %%ymm8\n\t"
             "vpmaddubsw %%ymm13, %[h00], %%ymm9\n\t"
             "vpmaddubsw %%ymm14, %[l01], %%ymm10\n\t"
@@ -717,7 +727,7 @@ void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
             "vpaddd %[i1], %%ymm9, %%ymm9\n\t"
             "vmovdqa %%ymm9, %[i1]\n\t"
             : [i0] "+m"(isum[t][0]), [i1] "+m"(isum[t][1])
-            : [a] "r"(xs + t * K), [l00] "x"(wl[0][0]), [h00] "x"(wh[0][0]), [l01] "x"(wl[0][1]), [h01] "x"(wh[0][1]),
+            : [a] "r"(xs + t * K), [in] "m"(inputs16(xs + t * K)), [l00] "x"(wl[0][0]), [h00] "x"(wh[0][0]), [l01] "x"(wl[0][1]), [h01] "x"(wh[0][1]),
               [l10] "x"(wl[1][0]), [h10] "x"(wh[1][0]), [l11] "x"(wl[1][1]), [h11] "x"(wh[1][1]), [s0] "m"(sc16[0]),
               [s1] "m"(sc16[1])
             : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
@@ -745,6 +755,7 @@ void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
 }
 #endif
 
+// One tile (16 rows) for TB tokens: out[t * 16 + l]. qa, da, bp / b32 point at token 0.
 template <int64_t TYPE, int TB>
 void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da, const int32_t* bp,
                const int32_t* b32, float* out) {
