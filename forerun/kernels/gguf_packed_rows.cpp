@@ -572,6 +572,30 @@ __attribute__((always_inline)) inline void sub_block_scales(const uint8_t* sc, _
   }
 }
 
+// The end of a Q4_K / Q5_K block on rows 8h..8h+7 of a tile: each token's minimums (int32 sums
+// by madd: the mins of sub-blocks 2p and 2p + 1 against its 32-value sums in pairs), then
+// acc[t] = fma(isum, d da, acc[t]) and acc[t] -= msum dmin da, in that order (the VNNI path's float
+// operations). isum[t * stride] is token t's int32 sum of the block.
+template <int64_t TYPE, int TB>
+__attribute__((always_inline)) inline void kmin_block_end(const uint8_t* blk, int h, int64_t b, int64_t nb, int64_t K,
+                                                          const int32_t* bp, const float* da, const __m256i* isum,
+                                                          int stride, __m256* acc) {
+  constexpr Packed P = layout_of(TYPE);
+  const __m256 dv = half8(blk + P.d + 16 * h), mv = half8(blk + P.dmin + 16 * h);
+  __m256i msum[TB];
+  for (int t = 0; t < TB; ++t) msum[t] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    const __m256i mn = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + P.mn + 32 * p + 16 * h)));
+    for (int t = 0; t < TB; ++t)
+      msum[t] = _mm256_add_epi32(msum[t], _mm256_madd_epi16(mn, _mm256_set1_epi32(bp[t * (K / 64) + 4 * b + p])));
+  }
+  for (int t = 0; t < TB; ++t) {
+    const __m256 dd = _mm256_set1_ps(da[t * nb + b]);
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t * stride]), _mm256_mul_ps(dv, dd), acc[t]);
+    acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(mv, dd), acc[t]);
+  }
+}
+
 // Q4_K on AVX2: both 8-row halves of a 64-byte vector at once, so each broadcast of 4
 // activations serves two maddubs (the K-quant loop below broadcasts once per maddubs, and
 // broadcasts from memory cost about a maddubs each on Zen 3: 8 maddubs + 8 adds + 8
@@ -642,21 +666,7 @@ void tile_dots_q4k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {  // the minimums and the float operations: tile_dots' AVX2 loop's, per half
-      const __m256 dv = half8(blk + P.d + 16 * h), mv = half8(blk + P.dmin + 16 * h);
-      __m256i msum[TB];
-      for (int t = 0; t < TB; ++t) msum[t] = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) {
-        const __m256i mn = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + P.mn + 32 * p + 16 * h)));
-        for (int t = 0; t < TB; ++t)
-          msum[t] = _mm256_add_epi32(msum[t], _mm256_madd_epi16(mn, _mm256_set1_epi32(bp[t * (K / 64) + 4 * b + p])));
-      }
-      for (int t = 0; t < TB; ++t) {
-        const __m256 dd = _mm256_set1_ps(da[t * nb + b]);
-        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][h]), _mm256_mul_ps(dv, dd), acc[h][t]);
-        acc[h][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(mv, dd), acc[h][t]);
-      }
-    }
+    for (int h = 0; h < 2; ++h) kmin_block_end<Q4_K, TB>(blk, h, b, nb, K, bp, da, &isum[0][h], 2, acc[h]);
   }
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + LANES * t + 8 * h, acc[h][t]);
@@ -867,22 +877,10 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
           for (int t = 0; t < TB; ++t)
             isum[t] = _mm256_sub_epi32(isum[t], _mm256_mullo_epi32(sc32, _mm256_set1_epi32(b32[t * (K / 16) + b * 16 + s])));
       }
-      const __m256 dv = half8(blk + P.d + 16 * h);
       if constexpr (k_min(TYPE)) {
-        const __m256 mv = half8(blk + P.dmin + 16 * h);
-        __m256i msum[TB];
-        for (int t = 0; t < TB; ++t) msum[t] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; ++p) {
-          const __m256i mn = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + P.mn + 32 * p + 16 * h)));
-          for (int t = 0; t < TB; ++t)
-            msum[t] = _mm256_add_epi32(msum[t], _mm256_madd_epi16(mn, _mm256_set1_epi32(bp[t * (K / 64) + 4 * b + p])));
-        }
-        for (int t = 0; t < TB; ++t) {
-          const __m256 dd = _mm256_set1_ps(da[t * nb + b]);
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(dv, dd), acc[t]);
-          acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(mv, dd), acc[t]);
-        }
+        kmin_block_end<TYPE, TB>(blk, h, b, nb, K, bp, da, isum, 1, acc);
       } else {
+        const __m256 dv = half8(blk + P.d + 16 * h);
         for (int t = 0; t < TB; ++t)
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(dv, _mm256_set1_ps(da[t * nb + b])), acc[t]);
       }
