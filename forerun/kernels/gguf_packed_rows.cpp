@@ -572,6 +572,16 @@ __attribute__((always_inline)) inline void sub_block_scales(const uint8_t* sc, _
   }
 }
 
+// Q6_K: the top two bits of operands 2v (lo) and 2v + 1 (hi) of a sub-block's nibble vector v,
+// from its hi vector hv (bit pairs 4v and 4v + 2, moved to bits 4-5), ORed into the 4-bit values.
+__attribute__((always_inline)) inline void q6k_top_bits(__m256i hv, int v, __m256i& lo, __m256i& hi) {
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+  const __m256i h0 = v == 0 ? _mm256_slli_epi16(hv, 4) : hv;
+  const __m256i h1 = v == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m30));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m30));
+}
+
 // The end of a Q4_K / Q5_K block on rows 8h..8h+7 of a tile: each token's minimums (int32 sums
 // by madd: the mins of sub-blocks 2p and 2p + 1 against its 32-value sums in pairs), then
 // acc[t] = fma(isum, d da, acc[t]) and acc[t] -= msum dmin da, in that order (the VNNI path's float
@@ -685,7 +695,7 @@ template <int TB>
 void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const float* da,
                         const int32_t* b16p, float* out) {
   constexpr Packed P = layout_of(Q6_K);
-  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  const __m256i m4 = _mm256_set1_epi8(15);
   __m256 acc[2][TB];
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < TB; ++t) acc[h][t] = _mm256_setzero_ps();
@@ -702,10 +712,9 @@ void tile_dots_q6k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
         const __m256i hv = load32(blk + P.hi + 64 * s + 32 * h);
         for (int v = 0; v < 2; ++v) {
           const __m256i x = load32(blk + 64 * (2 * s + v) + 32 * h);
-          const __m256i h0 = v == 0 ? _mm256_slli_epi16(hv, 4) : hv;
-          const __m256i h1 = v == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
-          wl[h][v] = _mm256_or_si256(_mm256_and_si256(x, m4), _mm256_and_si256(h0, m30));
-          wh[h][v] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 4), m4), _mm256_and_si256(h1, m30));
+          wl[h][v] = _mm256_and_si256(x, m4);
+          wh[h][v] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+          q6k_top_bits(hv, v, wl[h][v], wh[h][v]);
         }
       }
       const int8_t* xs = qa + b * QK + 16 * s;
@@ -839,7 +848,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
   // SUM16_VECS vectors' maddubs results in int16 before the scale's madd: exact while a lane's
   // sum stays in int16 (activations in [-127, 127]: Q4_K 8 pairs of at most 2 x 15 x 127 =
   // 30480, Q5_K 4 x 2 x 31 x 127 = 31496, Q6_K 2 x 2 x 63 x 127 = 32004), the same int32 sums.
-  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i m4 = _mm256_set1_epi8(15), low16 = _mm256_set1_epi32(0xFFFF);
   constexpr int SUBS = k_min(TYPE) ? 8 : 16, VECS = 32 / SUBS;  // nibble vectors per sub-block
   constexpr int SUM16_VECS = TYPE == Q4_K ? 4 : TYPE == Q5_K ? 2 : 1;
   for (int h = 0; h < 2; ++h) {
@@ -860,12 +869,7 @@ void tile_dots(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, const 
           const __m256i x = load32(blk + 64 * (VECS * s + v) + 32 * h);
           lo[v] = _mm256_and_si256(x, m4);
           hi[v] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-          if constexpr (TYPE == Q6_K) {  // as the VNNI path: bit pairs 4v and 4v + 2 to bits 4-5
-            const __m256i h0 = v == 0 ? _mm256_slli_epi16(hv, 4) : hv;
-            const __m256i h1 = v == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
-            lo[v] = _mm256_or_si256(lo[v], _mm256_and_si256(h0, m30));
-            hi[v] = _mm256_or_si256(hi[v], _mm256_and_si256(h1, m30));
-          }
+          if constexpr (TYPE == Q6_K) q6k_top_bits(hv, v, lo[v], hi[v]);  // as the VNNI path
           if constexpr (TYPE == Q5_K) {
             lo[v] = _mm256_or_si256(lo[v], fifth_bit(hv, 2 * v));
             hi[v] = _mm256_or_si256(hi[v], fifth_bit(hv, 2 * v + 1));
