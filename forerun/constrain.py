@@ -8,8 +8,10 @@ distribution plain decoding samples from, and verification keeps it.
 
 Per step and constrained row (engine.step calls these in order):
   shape_draft   jump-forward as speculation: the run of tokens the grammar forces (the only
-                one allowed, p = 1 under the mask) leads the draft at no model cost, counted
-                in Draft.forced; a one-hot draft is cut where the grammar refuses a token (its
+                one allowed, p = 1 under the mask: forced_run) leads the draft at no model
+                cost, counted in Draft.forced; a drafter that drafts from tokens alone
+                (suffix, n-gram) is asked to continue after the run, so a key the grammar
+                forces is followed by the value the drafter expects; a one-hot draft is cut where the grammar refuses a token (its
                 q is a point mass: leaving the token out is a choice made without drawing
                 anything); a sampled draft is never cut after drawing (that would bias it,
                 see below) but its refused token meets p = 0 and is rejected, the residual
@@ -28,11 +30,22 @@ import torch
 from forerun.drafters.base import Draft
 
 
-def shape_draft(matcher, draft: Draft, budget: int, forced_drafts: bool = True) -> Draft:
-    """The draft a constrained row verifies (budget: the most tokens it may draft)."""
+def forced_run(matcher, budget: int, forced_drafts: bool = True) -> list[int]:
+    """The tokens a constrained row's grammar forces next (at most budget; none for a free row)."""
+    return matcher.forced(budget) if matcher is not None and forced_drafts and budget > 0 else []
+
+
+def shape_draft(matcher, draft: Draft, budget: int, run: list[int], after_run: bool = False) -> Draft:
+    """The draft a constrained row verifies (budget: the most tokens it may draft; run: the
+    tokens its grammar forces next, forced_run's). after_run: the drafter drafted from the
+    committed tokens followed by the run (its draft continues the run: a deterministic drafter
+    only, since which tokens it was asked about is then known before anything is drawn)."""
     if draft.is_tree:
         draft = first_branch(draft)
-    run = matcher.forced(budget) if forced_drafts and budget > 0 else []
+    if after_run and run:
+        if draft.probs is not None:
+            raise ValueError("only a deterministic draft (probs None) may continue a forced run")
+        draft = Draft(run + draft.tokens)
     tokens = draft.tokens[:budget]
     if run and tokens[: len(run)] != run:  # the drafter disagrees with what the grammar forces
         return Draft(run, forced=len(run))

@@ -9,14 +9,14 @@ which feeds [pending] + draft and so scores the draft and the next position at o
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from forerun.config import SamplingParams
 from forerun import penalties
-from forerun.constrain import first_branch, follow, mask_logits, shape_draft
+from forerun.constrain import first_branch, follow, forced_run, mask_logits, shape_draft
 from forerun.penalties import Penalties
 from forerun.drafters.base import Draft, Drafter, DraftRequest, HiddenRows, StepFeedback
 from forerun.kv.cache import KVCache, chain_batch, tree_batch
@@ -70,6 +70,7 @@ class GenerateJob:
     cache_salt: bytes = b""  # the tenant's part of the prefix keys (a block of another salt never matches)
     grammar: object | None = None  # structured.CompiledGrammar every sequence's output follows (None: free)
     forced_drafts: bool = True  # a grammar's forced tokens lead the draft (constrain.shape_draft)
+    continue_forced: bool = True  # a token-only drafter drafts on after them (drafts_after_forced)
 
 
 @torch.inference_mode()
@@ -262,10 +263,15 @@ def _propose(active: list[Sequence], job: GenerateJob, generator) -> list[Draft]
     k = [job.k_policy.k_for(s.row) if job.k_policy is not None else job.k for s in active]
     requests = [DraftRequest(s.row, s.tokens, max(0, min(kb, s.remaining - 1)), s.prompt_len, s.tenant)
                 for s, kb in zip(active, k)]
-    drafts = job.drafter.propose(requests, job.params, generator)
+    runs = [forced_run(s.matcher, r.k, job.forced_drafts) for s, r in zip(active, requests)]
+    # A drafter that drafts from tokens alone continues after the grammar's forced run (it will
+    # be committed: p = 1), where the budget left after the run is its to fill.
+    after = job.continue_forced and bool(getattr(job.drafter, "drafts_after_forced", False))
+    asked = [replace(r, tokens=r.tokens + run, k=r.k - len(run)) if after and run else r for r, run in zip(requests, runs)]
+    drafts = job.drafter.propose(asked, job.params, generator)
     drafts = [first_branch(d) if d.is_tree and s.penalties is not None else d for s, d in zip(active, drafts)]
-    return [d if s.matcher is None else shape_draft(s.matcher, d, r.k, job.forced_drafts)
-            for s, d, r in zip(active, drafts, requests)]
+    return [d if s.matcher is None else shape_draft(s.matcher, d, r.k, run, after)
+            for s, d, r, run in zip(active, drafts, requests, runs)]
 
 
 def retiring(s: Sequence) -> DraftRequest:

@@ -63,8 +63,9 @@ METHODS: dict[str, Method] = {
                      ("draft_model", "tree_width"), (*TREE_OPTIONS, *HEAD_OPTIONS)),
 }
 # Options any method reads (config.py): k under "auto", the lossy acceptance's parameters.
-# grammar_drafts: a structured output's forced tokens lead each draft (default true; false to measure without).
-COMMON_OPTIONS = ("k_max", "verify_cost", "typical_epsilon", "typical_alpha", "grammar_drafts")
+# grammar_drafts: a structured output's forced tokens lead each draft (default true; false to measure without);
+# grammar_continue: a token-only drafter (suffix, n-gram) drafts on after them (default true; false to measure without).
+COMMON_OPTIONS = ("k_max", "verify_cost", "typical_epsilon", "typical_alpha", "grammar_drafts", "grammar_continue")
 
 
 def lines() -> list[str]:

@@ -5,11 +5,15 @@ constrained decoding's tokens; forced tokens are drafted and kept apart from the
 figures; sampling keeps the constrained distribution (chi-square against the exact law)."""
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from forerun import engine
 from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.constrain import shape_draft
+from forerun.drafters.base import Draft
 from forerun.errors import FieldError
 from forerun.llm import LLM
 from forerun.metrics import merge
@@ -74,6 +78,8 @@ SPECS = {
     "draft_model": lambda tok: SpeculativeConfig("draft_model", 3, draft_model=make_llm(tok, seed=3)),
     "draft_model tree": lambda tok: SpeculativeConfig("draft_model", 3, draft_model=make_llm(tok, seed=0), tree_width=2),
     "no forced drafts": lambda tok: SpeculativeConfig("ngram", 4, ngram_min=1, options={"grammar_drafts": False}),
+    "suffix, not after forced": lambda tok: SpeculativeConfig("suffix", 6, options={"suffix_min_prob": 0.0,
+                                                                                     "grammar_continue": False}),
 }
 
 
@@ -83,7 +89,7 @@ def test_speculative_equals_plain_constrained_decoding(llm, tok, name, constrain
     spec = StructuredOutputs(json=ITEM) if constraint == "json" else StructuredOutputs(regex=r"([a-e]{1,3} ){2,6}[0-9]{3}")
     plain = [o.token_ids for o in llm.generate(PROMPTS, greedy(spec), speculative=None)]
     outs = llm.generate(PROMPTS, greedy(spec), speculative=SPECS[name](tok))
-    outs = llm.generate(PROMPTS, greedy(spec), speculative=SPECS[name](tok)) if name == "suffix" else outs
+    outs = llm.generate(PROMPTS, greedy(spec), speculative=SPECS[name](tok)) if name.startswith("suffix") else outs
     assert [o.token_ids for o in outs] == plain
     st = merge([o.stats for o in outs])
     if name == "no forced drafts":
@@ -92,6 +98,53 @@ def test_speculative_equals_plain_constrained_decoding(llm, tok, name, constrain
         assert st.forced >= len(PROMPTS) * 3, st  # '{"', 'name', '":' at least, per row
     assert st.verifier_forwards < sum(map(len, plain))  # fewer forwards than tokens
 
+
+
+class Recorder:
+    """A drafter that proposes given tokens and keeps the requests it was asked."""
+
+    def __init__(self, tokens: list[int], after: bool):
+        self.tokens, self.drafts_after_forced, self.asked = tokens, after, []
+
+    def propose(self, requests, params, generator):
+        self.asked += requests
+        return [Draft(self.tokens) for _ in requests]
+
+
+@pytest.mark.parametrize("after, cont", [(True, True), (False, True), (True, False)])
+def test_a_token_drafter_is_asked_to_continue_after_the_forced_run(llm, after, cont):
+    """A drafter that drafts from tokens alone is asked about the committed tokens followed by
+    the grammar's forced run, with the budget the run leaves; the draft is the run, then its
+    tokens. Any other drafter (or any, with options["grammar_continue"] false) is asked about
+    the committed tokens and its draft must begin with the run (here it does not: only the
+    run is drafted)."""
+    spec = StructuredOutputs(json=ITEM)
+    out = llm.generate(PROMPTS[:1], greedy(spec), speculative=None)[0].token_ids
+    matcher = llm.compile_grammar(spec).matcher()
+    run = matcher.forced(8)
+    assert 0 < len(run) < 6 and out[: len(run)] == run  # '{"name":"' then the free name
+    follow_on = out[len(run) : len(run) + 2]
+    rec = Recorder(follow_on, after)
+    row = SimpleNamespace(row=0, tokens=list(PROMPTS[0]), remaining=50, prompt_len=len(PROMPTS[0]), tenant=b"",
+                          penalties=None, matcher=matcher)
+    job = SimpleNamespace(drafter=rec, k=8, k_policy=None, params=None, forced_drafts=True, continue_forced=cont)
+    [draft] = engine._propose([row], job, None)
+    [asked] = rec.asked
+    if after and cont:
+        assert asked.tokens == PROMPTS[0] + run and asked.k == 8 - len(run)
+        assert draft.tokens == run + follow_on and draft.forced == len(run)
+    else:
+        assert asked.tokens == PROMPTS[0] and asked.k == 8
+        assert draft.tokens == run and draft.forced == len(run)
+    assert matcher.forced(8) == run  # the grammar's state is where it was
+
+
+def test_a_sampled_draft_never_continues_a_forced_run(llm):
+    spec = StructuredOutputs(json=ITEM)
+    matcher = llm.compile_grammar(spec).matcher()
+    run = matcher.forced(8)
+    with pytest.raises(ValueError, match="deterministic"):
+        shape_draft(matcher, Draft([1], torch.ones(1, 4) / 4), 8, run, after_run=True)
 
 # -- sampling keeps the constrained law ---------------------------------------------------------------
 N = 20_000

@@ -103,6 +103,7 @@ def trie(continuations: list[list[int]]) -> tuple[list[int], list[int]]:
 
 class NgramDrafter:
     name = "ngram"
+    drafts_after_forced = True  # drafts from the tokens alone: it may continue a grammar's forced run
 
     def __init__(self, n_max: int = 4, n_min: int = 1, branches: int = 1):
         self.n_max, self.n_min, self.branches = n_max, n_min, branches

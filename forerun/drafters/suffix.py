@@ -76,6 +76,11 @@ class SuffixDrafter:
         self.fallback, self.min_score = fallback, min_score  # hybrid: the draft model, for low scores
         self.suffix_drafts = self.fallback_drafts = 0  # rows drafted by each (hybrid's split)
 
+    @property
+    def drafts_after_forced(self) -> bool:
+        """Drafts from tokens alone (no draft model): it may continue a grammar's forced run."""
+        return self.fallback is None
+
     def max_draft_nodes(self, k: int) -> int:
         inner = getattr(self.fallback, "max_draft_nodes", lambda k: k)(k) if self.fallback else k
         return max(k, inner)

@@ -129,7 +129,7 @@ def _step_group(sched, group: list[Live], row_k: RowK) -> None:
         [], params, [], drafter=sched.drafter if k else None, k=k, eos_ids=sched.eos_ids,
         should_stop=lambda row, gen: _stopped(sched, by_row[row], gen),
         on_tokens=lambda row, gen, done: by_row[row].stream.update(0, gen, done),
-        k_policy=row_k, forced_drafts=sched.forced_drafts,
+        k_policy=row_k, forced_drafts=sched.forced_drafts, continue_forced=sched.continue_forced,
     )
     generator = group[0].generator if params.seed is not None else sched.generator
     if params.seed is not None and generator is None:
