@@ -1,8 +1,11 @@
 """The AVX2 Q4_K / Q6_K tiles that take both 8-row halves per broadcast (the default) against
 the K-quant loop that takes one half at a time (`set_gguf_paired_halves(False)`), alternated
-in one process on the same forwards, so the machine's drift hits both alike.
+in one process on the same forwards, so the machine's drift hits both alike. With `--compare
+tokens`: the paired tiles 16 tokens a pass (the default) against 8 (`set_gguf_paired_tokens(8)`),
+on forwards of 1, 9, 12 and 16 tokens.
 
     python scripts/gguf_tiles_ab.py --model qwen2.5-coder-1.5b --context 300,2000 --rounds 9
+    python scripts/gguf_tiles_ab.py --compare tokens --context 300,2000 --rounds 9
 
 Per context length: a 128-token prefill chunk after that many cached tokens, and verifier
 forwards of 1, 4 and 9 tokens there (logits at every position), median seconds of each path
@@ -24,6 +27,11 @@ from forerun.llm import LLM
 from forerun.prefill import PrefixWrite, write_prefixes
 
 STEPS = (1, 4, 9)
+# --compare: the kernel's switch, its (before, after) settings with their names, the forwards timed
+COMPARE = {
+    "halves": ("set_gguf_paired_halves", ((False, True), ("one half at a time", "paired")), STEPS),
+    "tokens": ("set_gguf_paired_tokens", ((8, 16), ("8 a pass", "16 a pass")), (1, 9, 12, 16)),
+}
 CHUNK = 128
 
 
@@ -39,10 +47,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="gguf")
     ap.add_argument("--context", default="300,2000", help="cached tokens before the timed forwards, comma-separated")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--compare", choices=list(COMPARE), default="halves",
+                    help="halves: paired tiles against one half at a time; tokens: 16 tokens a pass against 8")
     args = ap.parse_args()
     kernel = kernel_loader.load()
-    if kernel is None or not hasattr(kernel, "set_gguf_paired_halves"):
-        raise SystemExit("these kernels have no set_gguf_paired_halves switch (FORERUN_NO_KERNELS, or an older build)")
+    switch, settings, steps = COMPARE[args.compare]
+    if kernel is None or not hasattr(kernel, switch):
+        raise SystemExit(f"these kernels have no {switch} switch (FORERUN_NO_KERNELS, or an older build)")
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
     model = llm.model
     contexts = [int(c) for c in args.context.split(",")]
@@ -56,22 +67,22 @@ def main() -> None:
             write_prefixes(model, cache, [PrefixWrite(0, 0, ids[:ctx])])
             for _ in range(args.rounds):
                 logits = {}
-                for paired in (False, True):
-                    kernel.set_gguf_paired_halves(paired)
+                for paired in settings[0]:
+                    getattr(kernel, switch)(paired)
                     dt, _ = timed(lambda: write_prefixes(model, cache, [PrefixWrite(0, ctx, ids[ctx:ctx + CHUNK])]))
                     times.setdefault((f"prefill {CHUNK}", paired), []).append(dt)
-                    for n in STEPS:
+                    for n in steps:
                         batch = chain_batch([ids[ctx:ctx + n]], [ctx], [0], model.device)
                         dt, out = timed(lambda: model(batch, cache, logits_at="all"))
                         times.setdefault((f"forward of {n}", paired), []).append(dt)
                         logits[(n, paired)] = out.logits
-                for n in STEPS:
-                    if not torch.equal(logits[(n, False)], logits[(n, True)]):
+                for n in steps:
+                    if not torch.equal(logits[(n, settings[0][0])], logits[(n, settings[0][1])]):
                         raise SystemExit(f"the two paths' logits differ (forward of {n} at {ctx} cached tokens)")
-        kernel.set_gguf_paired_halves(True)
-        for what in [f"prefill {CHUNK}"] + [f"forward of {n}" for n in STEPS]:
-            one, paired = statistics.median(times[(what, False)]), statistics.median(times[(what, True)])
-            print(f"{ctx} cached, {what}: one half at a time {one * 1e3:.0f} ms, paired {paired * 1e3:.0f} ms, "
+        getattr(kernel, switch)(settings[0][1])
+        for what in [f"prefill {CHUNK}"] + [f"forward of {n}" for n in steps]:
+            one, paired = (statistics.median(times[(what, v)]) for v in settings[0])
+            print(f"{ctx} cached, {what}: {settings[1][0]} {one * 1e3:.0f} ms, {settings[1][1]} {paired * 1e3:.0f} ms, "
                   f"{one / paired:.3f}x", flush=True)
     print("logits equal on both paths: yes")
 

@@ -48,7 +48,7 @@ def packed_rows(x: torch.Tensor, parts, bias=None, reference=False) -> torch.Ten
 @pytest.mark.parametrize("t", PACKED, ids=[t.name for t in PACKED])
 def test_the_simd_path_gives_the_plain_definitions_bits(t):
     """The packed kernel's SIMD path (AVX2 here, AVX512-VNNI where the build has it) against
-    its plain C++ definition (reference=True), with torch.equal: every type, 1 to 8 tokens a
+    its plain C++ definition (reference=True), with torch.equal: every type, 1 to 16 tokens a
     tile and more, rows that leave a tile part empty, activations at the int8 grid's edges
     (a block of zeros, one dominated by one value, values of both signs at full scale), and
     weights at their extremes (Q8_0's -128, Q6_K's -32 and +31, 6-bit scales of 63). So the
@@ -74,10 +74,18 @@ def test_the_simd_path_gives_the_plain_definitions_bits(t):
     simd = packed_rows(x, parts, bias)
     plain = packed_rows(x, parts, bias, reference=True)
     assert torch.equal(simd, plain)
-    for a, b in [(0, 1), (3, 5), (5, 8), (0, 4), (3, 8), (0, 6), (8, 15), (12, 19)]:  # tiles of 1 to 8 tokens
+    # tiles of 1 to 8 tokens, and of 9 to 16 (AVX2's paired Q4_K / Q6_K tiles take up to 16 a pass)
+    for a, b in [(0, 1), (3, 5), (5, 8), (0, 4), (3, 8), (0, 6), (8, 15), (12, 19), (0, 9), (2, 14), (3, 19)]:
         assert torch.equal(packed_rows(x[a:b], parts, bias), plain[a:b])
-    # AVX2: Q4_K and Q6_K also through the loop that takes one 8-row half at a time (Q5_K's)
     kernel = kernel_loader.load()
+    was = kernel.set_gguf_paired_tokens(8)  # AVX2: the paired tiles 8 tokens a pass, as before
+    try:
+        assert torch.equal(packed_rows(x, parts, bias), plain)
+        for a, b in [(0, 9), (3, 19)]:
+            assert torch.equal(packed_rows(x[a:b], parts, bias), plain[a:b])
+    finally:
+        kernel.set_gguf_paired_tokens(was)
+    # AVX2: Q4_K and Q6_K also through the loop that takes one 8-row half at a time (Q5_K's)
     was = kernel.set_gguf_paired_halves(False)
     try:
         assert torch.equal(packed_rows(x, parts, bias), plain)
@@ -104,7 +112,7 @@ def test_the_packed_kernel_computes_the_documented_function(t):
 
 
 def test_packed_rows_get_the_same_bits_alone_and_in_any_batch():
-    """Token tiles of 1 to 8 (and more tokens than a tile): a token's bits never depend on
+    """Token tiles of 1 to 16 (and more tokens than a tile): a token's bits never depend on
     its batch-mates; a fused linear of every packed type (activations per 256 and per 32 side
     by side) gives each part its own output rows."""
     torch.manual_seed(0)

@@ -62,6 +62,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include <utility>
 #include <atomic>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -550,6 +551,13 @@ void tile_dots32(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t K, cons
 // a time, as Q5_K still runs) instead of their paired tiles below: the same bits, so
 // scripts/gguf_tiles_ab.py can time both in one process.
 std::atomic<bool> paired_halves{true};
+// Tokens per pass of the paired tiles (1 to PAIRED_MAX_TB; another benchmark switch): their
+// accumulators live in memory, not registers, so a pass may take up to 16 tokens, and a
+// verifier forward of 9 to 16 tokens unpacks each tile's weights once instead of twice (as
+// does a prefill chunk half as often). Each token's instructions are the same whatever the
+// pass holds: the same bits.
+constexpr int PAIRED_MAX_TB = 16;
+std::atomic<int> paired_tokens{PAIRED_MAX_TB};
 #ifdef FORERUN_GGUF_AVX2
 // The paired tiles' shared pieces. A token's 16 inputs broadcast 4 at a time into ymm12-15:
 #define BROADCAST_16_INPUTS                  \
@@ -900,12 +908,6 @@ template <int64_t TYPE, int TB>
 void tile_tokens(const uint8_t* w, int64_t nb, const Acts& a, int64_t t0, int64_t K, float* o, bool reference) {
   const int8_t* qa = a.qa.data() + t0 * K;
   const float* da = a.da.data() + t0 * nb;
-#ifdef FORERUN_GGUF_AVX2
-  if (!reference && paired_halves.load(std::memory_order_relaxed)) {
-    if constexpr (TYPE == Q4_K) return tile_dots_q4k_avx2<TB>(w, nb, qa, K, da, a.bp.data() + t0 * (K / 64), o);
-    if constexpr (TYPE == Q6_K) return tile_dots_q6k_avx2<TB>(w, nb, qa, K, da, a.b16p.data() + t0 * (K / 32), o);
-  }
-#endif
   if constexpr (legacy(TYPE))
     (reference ? scalar_dots32<TYPE, TB> : tile_dots32<TYPE, TB>)(w, nb, qa, K, da, a.s32.data() + t0 * nb, o);
   else
@@ -913,8 +915,36 @@ void tile_tokens(const uint8_t* w, int64_t nb, const Acts& a, int64_t t0, int64_
                                                               a.b32.data() + t0 * (K / 16), o);
 }
 
+#ifdef FORERUN_GGUF_AVX2
+// Tokens t0 .. t0 + TB - 1 of one tile through its paired Q4_K / Q6_K tile.
+template <int64_t TYPE, int TB>
+void paired_tile(const uint8_t* w, int64_t nb, const Acts& a, int64_t t0, int64_t K, float* o) {
+  const int8_t* qa = a.qa.data() + t0 * K;
+  const float* da = a.da.data() + t0 * nb;
+  if constexpr (TYPE == Q4_K) tile_dots_q4k_avx2<TB>(w, nb, qa, K, da, a.bp.data() + t0 * (K / 64), o);
+  else tile_dots_q6k_avx2<TB>(w, nb, qa, K, da, a.b16p.data() + t0 * (K / 32), o);
+}
+
+// paired_tile<TYPE, n> for a run-time n in 1 .. PAIRED_MAX_TB.
+template <int64_t TYPE, int... I>
+void paired_tile_n(int n, const uint8_t* w, int64_t nb, const Acts& a, int64_t t0, int64_t K, float* o,
+                   std::integer_sequence<int, I...>) {
+  ((n == I + 1 ? paired_tile<TYPE, I + 1>(w, nb, a, t0, K, o) : void()), ...);
+}
+#endif
+
 template <int64_t TYPE>
 void tile_all_tokens(const uint8_t* w, int64_t nb, const Acts& a, int64_t N, int64_t K, float* out, bool reference) {
+#ifdef FORERUN_GGUF_AVX2
+  if constexpr (TYPE == Q4_K || TYPE == Q6_K)
+    if (!reference && paired_halves.load(std::memory_order_relaxed)) {
+      const int64_t step = paired_tokens.load(std::memory_order_relaxed);
+      for (int64_t t0 = 0; t0 < N; t0 += step)
+        paired_tile_n<TYPE>(static_cast<int>(std::min(step, N - t0)), w, nb, a, t0, K, out + LANES * t0,
+                            std::make_integer_sequence<int, PAIRED_MAX_TB>{});
+      return;
+    }
+#endif
   for (int64_t t0 = 0; t0 < N; t0 += MAX_TB) {
     float* o = out + LANES * t0;
     switch (std::min(MAX_TB, N - t0)) {
@@ -1073,6 +1103,11 @@ std::string gguf_packed_isa() {
 void bind_gguf_packed_rows(pybind11::module& m) {
   m.def("set_gguf_paired_halves", [](bool on) { return paired_halves.exchange(on); },
         "Q4_K and Q6_K on AVX2: both 8-row halves per broadcast (true, the default) or one at a time; returns the previous");
+  m.def("set_gguf_paired_tokens", [](int n) {
+          TORCH_CHECK(n >= 1 && n <= PAIRED_MAX_TB, "set_gguf_paired_tokens: 1 to ", PAIRED_MAX_TB, " tokens a pass, got ", n);
+          return paired_tokens.exchange(n);
+        },
+        "AVX2's paired Q4_K / Q6_K tiles: tokens per pass over a tile's weights (16, the default; 8 as before); returns the previous");
   m.def("gguf_pack", &gguf_pack, "GGUF rows rearranged 16 rows per tile (the same bits)");
   m.def("gguf_packed_select", &gguf_packed_select, "rows of a packed GGUF matrix, packed");
   m.def("gguf_packed_dequant", &gguf_packed_dequant, "rows of a packed GGUF matrix as float32 (ggml's values)");
