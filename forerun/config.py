@@ -184,6 +184,16 @@ class SpeculativeConfig:
         return self.options.get("k_max", 8) if self.adaptive else self.num_speculative_tokens
 
     @property
+    def forced_drafts(self) -> bool:
+        """A structured output's forced tokens lead each draft (options["grammar_drafts"], default true)."""
+        return bool(self.options.get("grammar_drafts", True))
+
+    @property
+    def continue_forced(self) -> bool:
+        """A token-only drafter drafts on after those tokens (options["grammar_continue"], default true)."""
+        return bool(self.options.get("grammar_continue", True))
+
+    @property
     def enabled(self) -> bool:
         return self.method is not None and self.k_max > 0
 

@@ -11,11 +11,12 @@ Per step and constrained row (engine.step calls these in order):
                 one allowed, p = 1 under the mask: forced_run) leads the draft at no model
                 cost, counted in Draft.forced; a drafter that drafts from tokens alone
                 (suffix, n-gram) is asked to continue after the run, so a key the grammar
-                forces is followed by the value the drafter expects; a one-hot draft is cut where the grammar refuses a token (its
-                q is a point mass: leaving the token out is a choice made without drawing
-                anything); a sampled draft is never cut after drawing (that would bias it,
-                see below) but its refused token meets p = 0 and is rejected, the residual
-                drawn from the masked p. A tree becomes its first branch.
+                forces is followed by the value the drafter expects; a one-hot draft is
+                cut where the grammar refuses a token (its q is a point mass: leaving the
+                token out is a choice made without drawing anything); a sampled draft is
+                never cut after drawing (that would bias it, see below) but its refused
+                token meets p = 0 and is rejected, the residual drawn from the masked p. A
+                tree becomes its first branch.
   mask_logits   a copy of the logits with each drafted position's mask applied (the raw
                 ones stay for logprobs, as vLLM reports them by default).
   follow        the committed tokens advance the grammar; a finished grammar ends the row.

@@ -126,8 +126,7 @@ class LLM:
             job.grammar = self.compile_grammar(params.structured)
         if spec is not None and spec.enabled:
             job.drafter, job.k, job.typical = self.drafter_for(spec), spec.k_max, spec.typical_rule
-            job.forced_drafts = bool(spec.options.get("grammar_drafts", True))
-            job.continue_forced = bool(spec.options.get("grammar_continue", True))
+            job.forced_drafts, job.continue_forced = spec.forced_drafts, spec.continue_forced
             if hasattr(job.drafter, "observe_hidden"):  # it reads the prompt's hidden states: no cached prefix
                 job.prefix = None
             if spec.adaptive:

@@ -67,23 +67,23 @@ def main() -> None:
             write_prefixes(model, cache, [PrefixWrite(0, 0, ids[:ctx])])
             for _ in range(args.rounds):
                 logits = {}
-                for paired in settings[0]:
-                    getattr(kernel, switch)(paired)
+                for setting in settings[0]:
+                    getattr(kernel, switch)(setting)
                     dt, _ = timed(lambda: write_prefixes(model, cache, [PrefixWrite(0, ctx, ids[ctx:ctx + CHUNK])]))
-                    times.setdefault((f"prefill {CHUNK}", paired), []).append(dt)
+                    times.setdefault((f"prefill {CHUNK}", setting), []).append(dt)
                     for n in steps:
                         batch = chain_batch([ids[ctx:ctx + n]], [ctx], [0], model.device)
                         dt, out = timed(lambda: model(batch, cache, logits_at="all"))
-                        times.setdefault((f"forward of {n}", paired), []).append(dt)
-                        logits[(n, paired)] = out.logits
+                        times.setdefault((f"forward of {n}", setting), []).append(dt)
+                        logits[(n, setting)] = out.logits
                 for n in steps:
                     if not torch.equal(logits[(n, settings[0][0])], logits[(n, settings[0][1])]):
                         raise SystemExit(f"the two paths' logits differ (forward of {n} at {ctx} cached tokens)")
         getattr(kernel, switch)(settings[0][1])
         for what in [f"prefill {CHUNK}"] + [f"forward of {n}" for n in steps]:
-            one, paired = (statistics.median(times[(what, v)]) for v in settings[0])
-            print(f"{ctx} cached, {what}: {settings[1][0]} {one * 1e3:.0f} ms, {settings[1][1]} {paired * 1e3:.0f} ms, "
-                  f"{one / paired:.3f}x", flush=True)
+            before, after = (statistics.median(times[(what, v)]) for v in settings[0])
+            print(f"{ctx} cached, {what}: {settings[1][0]} {before * 1e3:.0f} ms, {settings[1][1]} {after * 1e3:.0f} ms, "
+                  f"{before / after:.3f}x", flush=True)
     print("logits equal on both paths: yes")
 
 

@@ -98,8 +98,8 @@ class Scheduler:
         self.llm, self.model, self.cfg, self.metrics = llm, llm.model, cfg, metrics
         self.spec = spec if spec is not None and spec.enabled else None
         self.k_max = self.spec.k_max if self.spec else 0
-        self.forced_drafts = bool(self.spec.options.get("grammar_drafts", True)) if self.spec else True
-        self.continue_forced = bool(self.spec.options.get("grammar_continue", True)) if self.spec else True
+        self.forced_drafts = self.spec.forced_drafts if self.spec else True
+        self.continue_forced = self.spec.continue_forced if self.spec else True
         self.drafter = llm.drafter_for(self.spec) if self.spec else None
         nodes = getattr(self.drafter, "max_draft_nodes", lambda k: k)(self.k_max) if self.drafter else 0
         self.block_bytes = kv_bytes_per_token(self.model) * cfg.block_size
