@@ -2,10 +2,13 @@
 the K-quant loop that takes one half at a time (`set_gguf_paired_halves(False)`), alternated
 in one process on the same forwards, so the machine's drift hits both alike. With `--compare
 tokens`: the paired tiles 16 tokens a pass (the default) against 8 (`set_gguf_paired_tokens(8)`),
-on forwards of 1, 9, 12 and 16 tokens.
+on forwards of 1, 9, 12 and 16 tokens. With `--compare int4` (a model at int4, the 0.5B drafter's
+groups of 64): int4_rows' 3-8 tokens both halves per pass (the default) against a half at a time
+(`set_int4_paired(False)`), on forwards of 1, 3, 4 and 6 tokens.
 
     python scripts/gguf_tiles_ab.py --model qwen2.5-coder-1.5b --context 300,2000 --rounds 9
     python scripts/gguf_tiles_ab.py --compare tokens --context 300,2000 --rounds 9
+    python scripts/gguf_tiles_ab.py --compare int4 --model qwen2.5-coder-0.5b --dtype int4 --rounds 9
 
 Per context length: a 128-token prefill chunk after that many cached tokens, and verifier
 forwards of 1, 4 and 9 tokens there (logits at every position), median seconds of each path
@@ -31,6 +34,7 @@ STEPS = (1, 4, 9)
 COMPARE = {
     "halves": ("set_gguf_paired_halves", ((False, True), ("one half at a time", "paired")), STEPS),
     "tokens": ("set_gguf_paired_tokens", ((8, 16), ("8 a pass", "16 a pass")), (1, 9, 12, 16)),
+    "int4": ("set_int4_paired", ((False, True), ("a half at a time", "paired")), (1, 3, 4, 6)),
 }
 CHUNK = 128
 
@@ -48,7 +52,8 @@ def main() -> None:
     ap.add_argument("--context", default="300,2000", help="cached tokens before the timed forwards, comma-separated")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--compare", choices=list(COMPARE), default="halves",
-                    help="halves: paired tiles against one half at a time; tokens: 16 tokens a pass against 8")
+                    help="halves: paired tiles against one half at a time; tokens: 16 tokens a pass against 8; "
+                    "int4: int4_rows' paired passes for 3-8 tokens against a half at a time")
     args = ap.parse_args()
     kernel = kernel_loader.load()
     switch, settings, steps = COMPARE[args.compare]

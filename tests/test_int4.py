@@ -54,7 +54,8 @@ def test_rows_get_the_same_bits_alone_and_in_any_batch():
 @pytest.mark.parametrize("in_f", [64, 200, 896])
 def test_the_simd_path_gives_the_plain_definitions_bits(in_f):
     """int4_rows' SIMD path (AVX2 here, AVX512-VNNI where the build has it) against its plain C++
-    definition (reference=True), with torch.equal: 1 to 8 tokens a tile and more, a ragged last
+    definition (reference=True), with torch.equal: 1 to 8 tokens a tile and more (AVX2's 3-8 token
+    tiles both halves per pass and, switched off, a half at a time), a ragged last
     group, weights at the grid's ends (u of 0 and 15), activations at the int8 grid's edges (a
     group of zeros, one value dominating its group, full-scale values of both signs: the
     products maddubs must not saturate on), a folded norm and a bias. So the bits are the same
@@ -78,8 +79,14 @@ def test_the_simd_path_gives_the_plain_definitions_bits(in_f):
 
     plain = rows(x, reference=True)
     assert torch.equal(rows(x), plain)
-    for a, b in [(0, 1), (3, 5), (5, 8), (8, 12), (12, 19)]:  # tiles of 1, 2, 3, 4 and 7 tokens
+    for a, b in [(0, 1), (3, 5), (5, 8), (8, 12), (0, 5), (13, 19), (12, 19)]:  # tiles of 1 to 7 tokens
         assert torch.equal(rows(x[a:b]), plain[a:b])
+    if hasattr(kernel, "set_int4_paired"):  # AVX2: 3-8 tokens a half at a time gives them too
+        was = kernel.set_int4_paired(False)
+        try:
+            assert all(torch.equal(rows(x[a:b]), plain[a:b]) for a, b in [(0, 3), (0, 6), (0, 19)])
+        finally:
+            kernel.set_int4_paired(was)
     assert kernel.int4_isa() in ("avx512-vnni", "avx2", "scalar")
 
 

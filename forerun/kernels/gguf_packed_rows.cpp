@@ -52,6 +52,7 @@
 // matrices, 512 tokens, 2 threads, a Zen 3 EPYC without AVX512: 259 ms against the row
 // kernel's 505 ms; one token 1.9 against 4.7 ms (matrices in cache).
 #include "kernels.h"
+#include "paired16.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -566,9 +567,6 @@ std::atomic<int> paired_tokens{PAIRED_MAX_TB};
   "vpbroadcastd 8(%[a]), %%ymm14\n\t"       \
   "vpbroadcastd 12(%[a]), %%ymm15\n\t"
 
-// Those 16 bytes as the asm's memory operand (it addresses them through %[a]): so the compiler
-// knows the asm reads them and keeps their stores before it.
-inline const int8_t (&inputs16(const int8_t* a))[16] { return *reinterpret_cast<const int8_t(*)[16]>(a); }
 
 // A sub-block's scale for each row of the two halves (sc: its 16 int8, row l at sc[l]), in both
 // 16-bit halves of the row's int32 lane: the madd operand of tile_dots' AVX2 loop.
@@ -619,8 +617,7 @@ __attribute__((always_inline)) inline void kmin_block_end(const uint8_t* blk, in
 // broadcasts from memory cost about a maddubs each on Zen 3: 8 maddubs + 8 adds + 8
 // broadcasts 1.65 ns, with 4 broadcasts 1.26 ns, the maddubs alone 1.26). A sub-block's 4
 // vectors go in two passes of 2, whose 8 unpacked weight vectors stay in registers while
-// every token's body runs; the body is inline assembly because GCC, short of the 16 ymm
-// registers, unpacked weights again inside the token loop and stored each sum twice. Each
+// every token's step runs (paired16.h's, in inline assembly, shared with int4_rows.cpp). Each
 // pass sums 4 maddubs results per row in int16 (at most 4 x 2 x 15 x 127 = 15240) before the
 // scale's madd: the same exact int32 sums as tile_dots' AVX2 loop, and its float operations
 // per block in its order, so the same bits (tests/test_gguf_packed.py). And one pass over a
@@ -653,34 +650,7 @@ void tile_dots_q4k_avx2(const uint8_t* w, int64_t nb, const int8_t* qa, int64_t 
         const __m256i l11 = _mm256_and_si256(x11, m4), h11 = _mm256_and_si256(_mm256_srli_epi16(x11, 4), m4);
         const int8_t* xs = qa + b * QK + 32 * s + 16 * pass;
         for (int t = 0; t < TB; ++t) {
-          // isum[t][h] += madd(sc16[h], maddubs(l_h0, a0..3) + maddubs(h_h0, a4..7) + maddubs(l_h1, a8..11)
-          //                            + maddubs(h_h1, a12..15)), with a = this token's 16 inputs
-          asm volatile(
-              BROADCAST_16_INPUTS
-              "vpmaddubsw %%ymm12, %[l00], %%ymm8\n\t"
-              "vpmaddubsw %%ymm13, %[h00], %%ymm9\n\t"
-              "vpmaddubsw %%ymm12, %[l10], %%ymm10\n\t"
-              "vpmaddubsw %%ymm13, %[h10], %%ymm11\n\t"
-              "vpaddw %%ymm9, %%ymm8, %%ymm8\n\t"
-              "vpaddw %%ymm11, %%ymm10, %%ymm10\n\t"
-              "vpmaddubsw %%ymm14, %[l01], %%ymm9\n\t"
-              "vpmaddubsw %%ymm15, %[h01], %%ymm12\n\t"
-              "vpmaddubsw %%ymm14, %[l11], %%ymm11\n\t"
-              "vpmaddubsw %%ymm15, %[h11], %%ymm13\n\t"
-              "vpaddw %%ymm12, %%ymm9, %%ymm9\n\t"
-              "vpaddw %%ymm13, %%ymm11, %%ymm11\n\t"
-              "vpaddw %%ymm9, %%ymm8, %%ymm8\n\t"
-              "vpaddw %%ymm11, %%ymm10, %%ymm10\n\t"
-              "vpmaddwd %[s0], %%ymm8, %%ymm8\n\t"
-              "vpmaddwd %[s1], %%ymm10, %%ymm10\n\t"
-              "vpaddd %[i0], %%ymm8, %%ymm8\n\t"
-              "vpaddd %[i1], %%ymm10, %%ymm10\n\t"
-              "vmovdqa %%ymm8, %[i0]\n\t"
-              "vmovdqa %%ymm10, %[i1]\n\t"
-              : [i0] "+m"(isum[t][0]), [i1] "+m"(isum[t][1])
-              : [a] "r"(xs + t * K), [in] "m"(inputs16(xs + t * K)), [l00] "x"(l00), [h00] "x"(h00), [l01] "x"(l01), [h01] "x"(h01), [l10] "x"(l10),
-                [h10] "x"(h10), [l11] "x"(l11), [h11] "x"(h11), [s0] "m"(sc16[0]), [s1] "m"(sc16[1])
-              : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+          paired16_step(xs + t * K, l00, h00, l01, h01, l10, h10, l11, h11, sc16[0], sc16[1], isum[t][0], isum[t][1]);
         }
       }
     }

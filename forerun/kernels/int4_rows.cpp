@@ -15,6 +15,7 @@
 // whatever its batch-mates, for any number of rows: one kernel serves decoding, verification
 // and prefill, and the int4 model is batch-invariant like the int8 one.
 #include "kernels.h"
+#include "paired16.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include <atomic>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -49,6 +51,12 @@ constexpr int CHUNK_BLOCKS = 2;
 // (the 0.5B's 24 layers of linears, interleaved runs: 10.2 -> 9.1 ms at 8 KB ahead; 20 KB
 // ahead takes another 5-7% off one token and changes nothing at 2-6: two builds A/B in one process).
 constexpr int64_t PREFETCH_GROUPS = 40;
+
+// The A/B switch for scripts (set_int4_paired): false sends 3-8 tokens through avx2_dots a half
+// at a time, as before avx2_paired (AVX2 builds only; the bits are the same either way).
+static std::atomic<bool> int4_paired{true};
+
+bool set_int4_paired(bool on) { return int4_paired.exchange(on); }
 
 static inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -210,20 +218,74 @@ static inline void avx2_dots(const int8_t* a, int64_t Kp, const float* sa, const
     for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + t * OUT_BLOCK + (h0 + h) * 8, facc[h][t]);
 }
 
-// One output block, TB tokens: 1-2 tokens both halves in one pass (one token: each weight line
-// read once, the bandwidth-bound decode step); more, a half at a time in passes of up to 4 tokens
-// (the block's weights, a few KB, come back from L1 / L2).
+// 3 to 8 tokens x both halves of one output block: a group's 8 vectors in 4 passes of 2, whose
+// unpacked nibbles (both halves: 8 registers) stay in registers while each token's step runs
+// (paired16.h: 16 inputs, 4 maddubs a half summed in int16, at most 4 x 3810, then one madd by
+// ones), its int32 sums kept in memory. One pass over a block's weights, and each broadcast
+// serves both halves, where avx2_dots with a half at a time read and unpacked every vector twice
+// and broadcast per half. The same exact int32 sums per group and the same float operations in
+// the same order, so the same bits (tests/test_int4.py).
+template <int TB>
+static void avx2_paired(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
+                        const uint8_t* w, const uint16_t* d, const uint16_t* m, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) __m256i isum[TB][2];  // per token: rows 0-7, rows 8-15
+  __m256 facc[2][TB];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TB; ++t) facc[h][t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int t = 0; t < TB; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+    for (int i = 0; i < VECS; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(w + ((g + PREFETCH_GROUPS) * VECS + i) * 64), _MM_HINT_T1);
+    for (int pass = 0; pass < VECS / 2; ++pass) {  // vectors 2 pass and 2 pass + 1: inputs 16 pass .. 16 pass + 15
+      const uint8_t* x = w + (g * VECS + 2 * pass) * 64;
+      const __m256i x00 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));  // [half][vector]
+      const __m256i x10 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      const __m256i x01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64));
+      const __m256i x11 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 96));
+      const __m256i l00 = _mm256_and_si256(x00, low), h00 = _mm256_and_si256(_mm256_srli_epi16(x00, 4), low);
+      const __m256i l01 = _mm256_and_si256(x01, low), h01 = _mm256_and_si256(_mm256_srli_epi16(x01, 4), low);
+      const __m256i l10 = _mm256_and_si256(x10, low), h10 = _mm256_and_si256(_mm256_srli_epi16(x10, 4), low);
+      const __m256i l11 = _mm256_and_si256(x11, low), h11 = _mm256_and_si256(_mm256_srli_epi16(x11, 4), low);
+      const int8_t* xs = a + g * GROUP + 16 * pass;
+      for (int t = 0; t < TB; ++t)
+        paired16_step(xs + t * Kp, l00, h00, l01, h01, l10, h10, l11, h11, ones, ones, isum[t][0], isum[t][1]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = g * OUT_BLOCK + h * 8;
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + at)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + at)));
+      for (int t = 0; t < TB; ++t) {
+        const __m256 ms = _mm256_mul_ps(mv, _mm256_set1_ps(sa[t * G + g]));
+        const __m256 gj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][h]), dv, ms);
+        facc[h][t] = _mm256_fmadd_ps(gj, _mm256_set1_ps(sg[t * G + g]), facc[h][t]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + t * OUT_BLOCK + h * 8, facc[h][t]);
+}
+
+// One output block, TB tokens: 1-2 tokens both halves in one pass with every accumulator in
+// registers (one token: each weight line read once, the bandwidth-bound decode step); 3-8 tokens
+// both halves per pass with the sums in memory (avx2_paired), or, switched off, a half at a time
+// in passes of up to 4 tokens.
 template <int TB>
 static void avx2_block(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
                        const uint8_t* w, const uint16_t* d, const uint16_t* m, float* out) {
   if constexpr (TB <= 2) {
     avx2_dots<TB, 2>(a, Kp, sa, sg, G, w, d, m, 0, out);
-  } else if constexpr (TB <= 4) {
-    avx2_dots<TB, 1>(a, Kp, sa, sg, G, w, d, m, 0, out);
-    avx2_dots<TB, 1>(a, Kp, sa, sg, G, w, d, m, 1, out);
   } else {
-    avx2_block<4>(a, Kp, sa, sg, G, w, d, m, out);
-    avx2_block<TB - 4>(a + 4 * Kp, Kp, sa + 4 * G, sg + 4 * G, G, w, d, m, out + 4 * OUT_BLOCK);
+    if (int4_paired.load(std::memory_order_relaxed)) return avx2_paired<TB>(a, Kp, sa, sg, G, w, d, m, out);
+    if constexpr (TB <= 4) {
+      avx2_dots<TB, 1>(a, Kp, sa, sg, G, w, d, m, 0, out);
+      avx2_dots<TB, 1>(a, Kp, sa, sg, G, w, d, m, 1, out);
+    } else {
+      avx2_dots<4, 1>(a, Kp, sa, sg, G, w, d, m, 0, out);
+      avx2_dots<4, 1>(a, Kp, sa, sg, G, w, d, m, 1, out);
+      avx2_block<TB - 4>(a + 4 * Kp, Kp, sa + 4 * G, sg + 4 * G, G, w, d, m, out + 4 * OUT_BLOCK);
+    }
   }
 }
 #endif

@@ -247,6 +247,7 @@ void bind_int8_rows(pybind11::module& m) {
   m.def("int4_rows", &int4_rows, "linear over 4-bit group-quantised weights, activations int8 per group, any number of rows "
         "(reference: the plain C++ definition)", ReleaseGil(), py::arg("x"), py::arg("w"), py::arg("d"), py::arg("m"),
         py::arg("bias"), py::arg("norm_w"), py::arg("eps"), py::arg("M"), py::arg("reference") = false);
+  m.def("set_int4_paired", &set_int4_paired, "AVX2: int4_rows takes 3-8 tokens both halves per pass (default) or a half at a time; the same bits");
   m.def("int4_isa", &int4_isa, "the SIMD path int4_rows takes on this build: avx512-vnni, avx2 or scalar");
   m.def("rms_norm_rows", &rms_norm_rows, "the folded RMSNorm of int8_rows, on its own");
   m.def("attend_prefix", &attend_prefix, "attention over key prefixes, one query at a time", ReleaseGil(), py::arg("q"), py::arg("k"),

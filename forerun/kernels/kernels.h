@@ -20,6 +20,7 @@ bool has_vnni();
 torch::Tensor int4_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
                         torch::Tensor norm_w, double eps, int64_t M, bool reference = false);
 std::string int4_isa();
+bool set_int4_paired(bool on);  // benchmark switch (AVX2): 3-8 tokens both halves per pass; returns the old value
 
 // f32_rows.cpp
 torch::Tensor f32_rows(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, int64_t M);
