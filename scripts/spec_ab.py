@@ -59,12 +59,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernel = kernel_loader.load()
+    set_paired = getattr(kernel, "set_int4_paired", None)  # None: no kernels, or a build without the switch
     llm = LLM(model=args.model, dtype=args.dtype, progress=False, enable_prefix_caching=False)
     drafter = LLM(model=args.draft_model, dtype="int4", progress=False, enable_prefix_caching=False)
     configs = [config(c, drafter) for c in args.configs]
-    if kernel is None or not hasattr(kernel, "set_int4_paired"):
-        if not all(paired for _, paired in configs):
-            raise SystemExit("int4_paired: these kernels have no set_int4_paired switch")
+    if set_paired is None and not all(paired for _, paired in configs):
+        raise SystemExit("int4_paired: these kernels have no set_int4_paired switch")
     prompts = [p for spec in args.prompts.split(",") for p in load_prompts(spec, limit=args.limit)]
     texts = [llm.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else p.text for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
@@ -76,14 +76,14 @@ def main() -> None:
         outs = {}
         for j in order:
             spec, paired = configs[j]
-            if kernel is not None and hasattr(kernel, "set_int4_paired"):
-                kernel.set_int4_paired(paired)
+            if set_paired is not None:
+                set_paired(paired)
             outs[j] = llm.generate([text], params, speculative=spec)[0]
             stats[j].append(outs[j].stats)
         if any(o.token_ids != outs[0].token_ids for o in outs.values()):
             raise SystemExit(f"prompt {i}: the configurations' outputs differ")
-    if kernel is not None and hasattr(kernel, "set_int4_paired"):
-        kernel.set_int4_paired(True)
+    if set_paired is not None:
+        set_paired(True)
     print(f"{len(texts)} prompts, {args.max_new_tokens} new tokens, outputs identical")
     for text, st in zip(args.configs, (merge(s) for s in stats)):
         steps = max(1, st.verifier_forwards)

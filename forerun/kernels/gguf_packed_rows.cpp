@@ -560,14 +560,7 @@ std::atomic<bool> paired_halves{true};
 constexpr int PAIRED_MAX_TB = 16;
 std::atomic<int> paired_tokens{PAIRED_MAX_TB};
 #ifdef FORERUN_GGUF_AVX2
-// The paired tiles' shared pieces. A token's 16 inputs broadcast 4 at a time into ymm12-15:
-#define BROADCAST_16_INPUTS                  \
-  "vpbroadcastd (%[a]), %%ymm12\n\t"        \
-  "vpbroadcastd 4(%[a]), %%ymm13\n\t"       \
-  "vpbroadcastd 8(%[a]), %%ymm14\n\t"       \
-  "vpbroadcastd 12(%[a]), %%ymm15\n\t"
-
-
+// The paired tiles' shared pieces (the token step and BROADCAST_16_INPUTS are paired16.h's).
 // A sub-block's scale for each row of the two halves (sc: its 16 int8, row l at sc[l]), in both
 // 16-bit halves of the row's int32 lane: the madd operand of tile_dots' AVX2 loop.
 __attribute__((always_inline)) inline void sub_block_scales(const uint8_t* sc, __m256i* sc16) {

@@ -171,6 +171,23 @@ static inline void one_by_one(const int8_t* a, int64_t Kp, const float* sa, cons
 // the VNNI path's, lane for lane, so the bits are the definition's (tests/test_int4.py compares
 // them with torch.equal). TB tokens x H halves of one output block, TB * H <= 4 (int and float
 // accumulators for each, and the nibble planes, fit AVX2's 16 registers).
+// The end of group g on 8 rows of a block (their d, m at d + at, m + at) for TB tokens, token t's
+// exact int32 sum at isum[t * stride]: facc[t] = fma(fma(float(sum), d, m * sa), sg, facc[t]), the
+// VNNI path's float operations in its order. avx2_dots and avx2_paired both end a group here, so
+// their bits cannot drift apart.
+template <int TB>
+__attribute__((always_inline)) static inline void group_end_avx2(const uint16_t* d, const uint16_t* m, int64_t at,
+                                                                 const float* sa, const float* sg, int64_t G, int64_t g,
+                                                                 const __m256i* isum, int stride, __m256* facc) {
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + at)));
+  const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + at)));
+  for (int t = 0; t < TB; ++t) {
+    const __m256 ms = _mm256_mul_ps(mv, _mm256_set1_ps(sa[t * G + g]));
+    const __m256 gj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t * stride]), dv, ms);
+    facc[t] = _mm256_fmadd_ps(gj, _mm256_set1_ps(sg[t * G + g]), facc[t]);
+  }
+}
+
 template <int TB, int H>
 static inline void avx2_dots(const int8_t* a, int64_t Kp, const float* sa, const float* sg, int64_t G,
                              const uint8_t* w, const uint16_t* d, const uint16_t* m, int h0, float* out) {
@@ -203,16 +220,7 @@ static inline void avx2_dots(const int8_t* a, int64_t Kp, const float* sa, const
         }
       }
     }
-    for (int h = 0; h < H; ++h) {
-      const int64_t at = g * OUT_BLOCK + (h0 + h) * 8;
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + at)));
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + at)));
-      for (int t = 0; t < TB; ++t) {
-        const __m256 ms = _mm256_mul_ps(mv, _mm256_set1_ps(sa[t * G + g]));
-        const __m256 gj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][t]), dv, ms);
-        facc[h][t] = _mm256_fmadd_ps(gj, _mm256_set1_ps(sg[t * G + g]), facc[h][t]);
-      }
-    }
+    for (int h = 0; h < H; ++h) group_end_avx2<TB>(d, m, g * OUT_BLOCK + (h0 + h) * 8, sa, sg, G, g, acc[h], 1, facc[h]);
   }
   for (int h = 0; h < H; ++h)
     for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + t * OUT_BLOCK + (h0 + h) * 8, facc[h][t]);
@@ -252,16 +260,7 @@ static void avx2_paired(const int8_t* a, int64_t Kp, const float* sa, const floa
       for (int t = 0; t < TB; ++t)
         paired16_step(xs + t * Kp, l00, h00, l01, h01, l10, h10, l11, h11, ones, ones, isum[t][0], isum[t][1]);
     }
-    for (int h = 0; h < 2; ++h) {
-      const int64_t at = g * OUT_BLOCK + h * 8;
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + at)));
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + at)));
-      for (int t = 0; t < TB; ++t) {
-        const __m256 ms = _mm256_mul_ps(mv, _mm256_set1_ps(sa[t * G + g]));
-        const __m256 gj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][h]), dv, ms);
-        facc[h][t] = _mm256_fmadd_ps(gj, _mm256_set1_ps(sg[t * G + g]), facc[h][t]);
-      }
-    }
+    for (int h = 0; h < 2; ++h) group_end_avx2<TB>(d, m, g * OUT_BLOCK + h * 8, sa, sg, G, g, &isum[0][h], 2, facc[h]);
   }
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + t * OUT_BLOCK + h * 8, facc[h][t]);

@@ -15,13 +15,21 @@
 //
 // Inline assembly because GCC, short of AVX2's 16 ymm registers, unpacked the weights again
 // inside the token loop and stored each sum twice. The 16 inputs are broadcast 4 bytes at a
-// time from memory (a load, no shuffle), into ymm12-15.
+// time from memory (a load, no shuffle).
 #pragma once
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 
 #include <cstdint>
+
+// A token's 16 inputs at %[a], broadcast 4 bytes at a time into ymm12-15 (the Q6_K tile's own
+// assembly in gguf_packed_rows.cpp starts with them too).
+#define BROADCAST_16_INPUTS                  \
+  "vpbroadcastd (%[a]), %%ymm12\n\t"        \
+  "vpbroadcastd 4(%[a]), %%ymm13\n\t"       \
+  "vpbroadcastd 8(%[a]), %%ymm14\n\t"       \
+  "vpbroadcastd 12(%[a]), %%ymm15\n\t"
 
 // Those 16 bytes as the asm's memory operand (it addresses them through a register): so the
 // compiler knows the asm reads them and keeps their stores before it.
@@ -32,10 +40,7 @@ __attribute__((always_inline)) inline void paired16_step(const int8_t* a, __m256
                                                          __m256i h11, const __m256i& s0, const __m256i& s1,
                                                          __m256i& i0, __m256i& i1) {
   asm volatile(
-      "vpbroadcastd (%[a]), %%ymm12\n\t"
-      "vpbroadcastd 4(%[a]), %%ymm13\n\t"
-      "vpbroadcastd 8(%[a]), %%ymm14\n\t"
-      "vpbroadcastd 12(%[a]), %%ymm15\n\t"
+      BROADCAST_16_INPUTS
       "vpmaddubsw %%ymm12, %[l00], %%ymm8\n\t"
       "vpmaddubsw %%ymm13, %[h00], %%ymm9\n\t"
       "vpmaddubsw %%ymm12, %[l10], %%ymm10\n\t"
