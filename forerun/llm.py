@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 
 from dataclasses import dataclass
 from typing import Callable
@@ -214,8 +215,12 @@ class LLM:
             enable = self.precision.batch_invariant
         if not enable:
             return None
-        if not gb > 0:
-            raise ConfigError(f"prefix_cache_gb must be > 0, got {gb!r}")
+        if not self.precision.batch_invariant:  # asked for: said once, where it is made
+            warnings.warn(f"prefix caching at {self.precision.name} on {self.model.device}: its prefill and its "
+                          "decoding round differently, so a cache hit may change tokens (on by default only at gguf, "
+                          "int8, int4 and float32 on the kernels)", RuntimeWarning, stacklevel=3)
+        if not 0 < gb < float("inf"):
+            raise ConfigError(f"prefix_cache_gb must be a finite number > 0, got {gb!r}")
         return PrefixPool(block_size=block_size, max_bytes=int(gb * 2**30), salt=self.prefix_salt())
 
     def prefix_salt(self) -> bytes:

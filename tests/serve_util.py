@@ -36,8 +36,10 @@ class ToyTokenizer:
         return "".join(f"<{m['role'][0]}>{m['content']}" for m in messages) + ("<a>" if add_generation_prompt else "")
 
 
-def tiny_llm(dtype: str = "float32", seed: int = 0) -> LLM:
+def tiny_llm(dtype: str = "float32", seed: int = 0, kv_cache: str = "auto") -> LLM:
     model = tiny_model(seed=seed, dtype=dtype, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, logit_scale=4.0)
+    if kv_cache != "auto":
+        model.set_kv_cache(kv_cache)
     return LLM(model, dtype=dtype, tokenizer=ToyTokenizer())
 
 
@@ -74,8 +76,8 @@ class Server:
         return httpx.Client(base_url=self.url, timeout=30, **kw)
 
 
-def tiny_server(dtype: str = "float32", k: int = 4, batch_aware: bool = False, **cfg) -> Server:
-    llm = tiny_llm(dtype)
+def tiny_server(dtype: str = "float32", k: int = 4, batch_aware: bool = False, kv_cache: str = "auto", **cfg) -> Server:
+    llm = tiny_llm(dtype, kv_cache=kv_cache)
     spec = SpeculativeConfig("ngram", k, ngram_min=1) if k else None
     conf = ServeConfig(**{"max_batch": 4, "max_len": 256, "block_size": 8, "batch_aware": batch_aware, **cfg})
     return Server(build_server(llm, spec, conf, default_max_tokens=16, names=(NAME,)))

@@ -27,7 +27,8 @@ def _llm(dtype="int8", **kw):
 def test_on_by_default_only_where_hits_are_exact():
     assert _llm("int8").prefix_cache is not None and _llm("float32").prefix_cache is not None
     assert LLM(tiny_model(dtype="float64")).prefix_cache is None  # torch's kernels: opt-in
-    assert LLM(tiny_model(dtype="float64"), enable_prefix_caching=True).prefix_cache is not None
+    with pytest.warns(RuntimeWarning, match="a cache hit may change tokens"):  # opt-in, said so
+        assert LLM(tiny_model(dtype="float64"), enable_prefix_caching=True).prefix_cache is not None
     assert _llm("int8", enable_prefix_caching=False).prefix_cache is None
 
 
@@ -118,6 +119,17 @@ def test_eviction_is_lru_and_leaf_first_within_the_bound():
     assert keys_a[0] in pool.blocks and keys_a[1] not in pool.blocks and keys_a[2] not in pool.blocks
     assert pool.stats.evicted == 32 and pool.used_bytes <= pool.max_bytes
     assert all(b.parent is None or b.parent in pool.blocks for b in pool.blocks.values())  # every kept block reachable
+
+
+def test_eviction_takes_the_least_recently_used_leaf():
+    cache = KVCache(1, 1, 1, 64, 1, torch.float32, "cpu")
+    pool = PrefixPool(block_size=16, max_bytes=2 * 2 * 16 * 4, salt=b"t")  # room for two blocks
+    older, newer, third = [1] * 17, [2] * 17, [3] * 17  # three one-block chains: every block a leaf
+    assert pool.store(older, cache, 0, 16) == 1 and pool.store(newer, cache, 0, 16) == 1
+    assert pool.lookup(older).tokens == 16  # `older` is now the one used last
+    assert pool.store(third, cache, 0, 16) == 1  # room for it: `newer`, used least recently, goes
+    assert pool.lookup(newer).tokens == 0 and pool.lookup(older).tokens == 16 and pool.lookup(third).tokens == 16
+    assert pool.stats.evicted == 16
 
 
 def _numbered_cache(slots: int = 64) -> KVCache:

@@ -116,8 +116,10 @@ def test_the_pool_is_planned_from_the_budget():
         pool_plan(ServeConfig(max_len=200, kv_cache_gb=small), 256, 0, block_bytes)
     with pytest.raises(ConfigError, match="num_blocks 3"):
         pool_plan(ServeConfig(max_len=100, num_blocks=3), 256, 0, block_bytes)
-    with pytest.raises(ConfigError, match="kv_cache_gb must be > 0"):
-        ServeConfig(kv_cache_gb=0)
+    for field in ("kv_cache_gb", "prefix_cache_gb"):
+        for bad in (0, float("inf"), float("nan")):
+            with pytest.raises(ConfigError, match=f"{field} must be a finite number > 0"):
+                ServeConfig(**{field: bad})
 
 
 def test_the_server_takes_its_context_from_the_model_and_max_tokens_defaults_to_the_rest():

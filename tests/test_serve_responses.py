@@ -77,3 +77,18 @@ def test_what_forerun_cannot_do_is_a_400_naming_it(client, body, param):
     with s.client() as h:
         r = h.post("/v1/responses", json={"model": "tiny", **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_cache_salt_keeps_a_tenants_cached_prefix_its_own(client):
+    """vLLM's cache_salt, as on chat: the same input under another salt reads nothing cached."""
+    c, _ = client
+    text = "Summarise the weather report for Paris, Lyon and Nice in one short line, please. " * 3
+
+    def cached(salt):
+        r = c.responses.create(model="tiny", input=text, temperature=0, max_output_tokens=4, extra_body={"cache_salt": salt})
+        return r.usage.input_tokens_details.cached_tokens
+
+    cached("alice")
+    assert cached("alice") > 0 and cached("bob") == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        c.responses.create(model="tiny", input=text, extra_body={"cache_salt": ""})

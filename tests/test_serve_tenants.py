@@ -61,6 +61,12 @@ def test_keys_from_a_file_and_bad_keys_refused(tmp_path):
         ApiKeys.of(files=[str(tmp_path / "absent")], env="")
     with pytest.raises(ConfigError, match="empty"):
         ApiKeys.of(["  "], env="")
+    (tmp_path / "none").write_text("# keys go here\n\n")  # a file without a key never turns the guard off
+    with pytest.raises(ConfigError, match="no key in it"):
+        ApiKeys.of(files=[str(tmp_path / "none")], env="")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00key\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        ApiKeys.of(files=[str(tmp_path / "binary")], env="")
     assert ApiKeys.of(env="").tenant(None) == b""  # no keys: one tenant, everyone in it
 
 
@@ -115,3 +121,7 @@ def test_a_draft_models_cached_blocks_serve_their_tenant_only():
         hit = pool.stats.hit
         ask(c, "bob-key")
         assert pool.stats.hit == hit  # none of hers for bob
+        wait_idle(s.scheduler)
+        assert pool.blocks
+        assert c.post("/reset_prefix_cache", headers={"Authorization": "Bearer alice-key"}).status_code == 200
+        assert not pool.blocks and pool.used_bytes == 0  # the reset empties the draft model's pool too

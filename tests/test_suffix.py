@@ -107,7 +107,8 @@ def test_an_earlier_output_drafts_for_its_own_tenant_only():
 
 def test_bad_options_are_refused():
     llm = LLM(tiny_model(seed=0))
-    for opts in ({"suffix_cache_requests": -1}, {"suffix_min_prob": 2.0}, {"suffix_max_match": 0}):
+    for opts in ({"suffix_cache_requests": -1}, {"suffix_min_prob": 2.0}, {"suffix_max_match": 0},
+                 {"suffix_min_score": float("nan")}, {"suffix_min_score": -1}, {"suffix_min_score": "1"}):
         with pytest.raises(ConfigError, match="suffix"):
             llm.generate([[1, 2]], GREEDY, speculative=SpeculativeConfig("suffix", 4, options=opts))
 

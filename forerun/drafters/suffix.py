@@ -167,7 +167,10 @@ def _make(spec, verifier, **_) -> SuffixDrafter:
     requests = spec.options.get("suffix_cache_requests", 256)
     if not isinstance(requests, int) or isinstance(requests, bool) or requests < 0:
         raise ConfigError(f"options['suffix_cache_requests'] must be an integer >= 0, got {requests!r}")
-    min_score = float(spec.options.get("suffix_min_score", 1.0))
+    min_score = spec.options.get("suffix_min_score", 1.0)
+    if isinstance(min_score, bool) or not isinstance(min_score, (int, float)) or not 0 <= min_score < float("inf"):
+        raise ConfigError(f"options['suffix_min_score'] must be a finite number >= 0 (the expected accepted tokens a "
+                          f"suffix draft needs before the draft model is skipped), got {min_score!r}")
     fallback = None
     if spec.draft_model is not None:  # hybrid: the draft model drafts where no suffix tree is confident
         fallback = make("draft_model", spec=replace(spec, method="draft_model"), verifier=verifier)

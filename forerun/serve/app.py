@@ -92,7 +92,8 @@ def build_app(llm, scheduler: Scheduler, limits: Limits, metrics: ServeMetrics, 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Drop every cached prefix block (vLLM's endpoint); 200 with how many were dropped."""
-        return {"reset_blocks": scheduler.reset_prefix_cache(), "prefix_cache": scheduler.prefix is not None}
+        dropped = await asyncio.wrap_future(scheduler.run_on_engine(scheduler.reset_prefix_cache))
+        return {"reset_blocks": dropped, "prefix_cache": scheduler.prefix is not None}
 
     @app.get("/metrics")
     async def prometheus():

@@ -38,10 +38,15 @@ class ApiKeys:
         found = list(keys)
         for f in files:
             try:
-                lines = Path(f).read_text().splitlines()
+                lines = Path(f).read_text(encoding="utf-8").splitlines()
             except OSError as e:
                 raise ConfigError(f"--api-key-file {f}: cannot read it ({e.strerror or e})") from None
-            found += [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            except UnicodeDecodeError:
+                raise ConfigError(f"--api-key-file {f}: not UTF-8 text (one key a line)") from None
+            in_file = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            if not in_file:  # else the server would run open while its operator believes it guarded
+                raise ConfigError(f"--api-key-file {f}: no key in it (one key a line; blank lines and # comments skipped)")
+            found += in_file
         if env is None:
             env = os.environ.get("FORERUN_API_KEY")
         if env:

@@ -32,9 +32,13 @@ def add_arguments(p) -> None:
     p.add_argument("--no-paged", action="store_true", help="K/V in rows of --max-len slots instead of the block pool")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before the server answers 429")
     p.add_argument("--no-batch-aware", action="store_true", help="keep each request's k whatever the batch size")
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="no automatic prefix caching (default: on at gguf, int8, int4 and float32 on the kernels, "
-                        "where a cache hit never changes a token)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--no-prefix-cache", action="store_true",
+                       help="no automatic prefix caching (default: on at gguf, int8, int4 and float32 on the kernels, "
+                            "where a cache hit never changes a token)")
+    cache.add_argument("--enable-prefix-caching", action="store_true",
+                       help="prefix caching at any precision: at bfloat16, float32 without the kernels or on another "
+                            "device a hit may change tokens (their prefill and decoding round differently)")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0, help="memory the prefix cache's KV blocks may hold")
     p.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens computed between two decoding steps, at most (0: whole prompts at admission)")

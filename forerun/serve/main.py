@@ -37,7 +37,7 @@ def cmd_serve(args) -> int:
 
     _, spec = configs(args)
     sock = reserve_port(args.host, args.port)  # a port in use fails now, not after the model loads
-    app = built_off_thread(lambda: server_from_args(args, load_llm(args, spec, prefix_cache=None), spec))
+    app = built_off_thread(lambda: server_from_args(args, load_llm(args, spec, prefix_cache=prefix_choice(args)), spec))
     st, llm = app.state, app.state.llm
     sch = st.scheduler
     print(f"forerun serve: {st.limits.model_names[0]} ({llm.dtype}), method {st.limits.method or 'none'} k={st.limits.k_max}, "
@@ -60,12 +60,19 @@ def server_from_args(args, llm, spec: SpeculativeConfig):
     replica of `python -m forerun.serve.ray_app` builds its app with it too."""
     cfg = ServeConfig(max_batch=args.max_batch, max_len=args.max_len, block_size=args.block_size,
                       num_blocks=args.num_blocks, kv_cache_gb=args.kv_cache_gb, paged=not args.no_paged, max_queue=args.max_queue,
-                      batch_aware=not args.no_batch_aware, prefix_cache=False if args.no_prefix_cache else None,
+                      batch_aware=not args.no_batch_aware, prefix_cache=prefix_choice(args),
                       prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None,
                       prefill_chunk_seconds=args.prefill_chunk_seconds or None)
     names = tuple(n for n in (args.served_name, llm.name, args.model) if n)
     keys = ApiKeys.of(args.api_key or (), args.api_key_file or ())
     return build_server(llm, spec if spec.enabled else None, cfg, args.max_new_tokens, names, keys)
+
+
+def prefix_choice(args) -> bool | None:
+    """ServeConfig.prefix_cache from the flags: False (--no-prefix-cache), True
+    (--enable-prefix-caching), None (on where a hit never changes a token). The LLM is built
+    with the same choice, so the draft model's own pool follows it."""
+    return False if args.no_prefix_cache else True if getattr(args, "enable_prefix_caching", False) else None
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

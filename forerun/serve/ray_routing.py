@@ -9,51 +9,16 @@ rendezvous hashing: every router instance agrees without shared state, and a rep
 joins or leaves moves only its own share of the keys. A replica at its `max_ongoing_requests`
 passes the request to the next in the key's ranking.
 
-The key: OpenAI's `prompt_cache_key` when the request sends one, else a hash of what every later
-turn of a session resends unchanged: a chat's first two messages (the system prompt and the first
-turn), or the first PREFIX_CHARS characters of a completion's prompt; at most PREFIX_CHARS either way.
+The key (OpenAI's `prompt_cache_key`, else a hash of the session's opening messages or prompt)
+and the ranking: serve/routing_key.py, which imports no Ray.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-PREFIX_CHARS = 2048  # about 32 KV blocks of 16 tokens
-
-
-def routing_key(body: bytes) -> str:
-    """The request's key (see the module docstring); "" for a body that is not a JSON object.
-    >>> routing_key(b'{"prompt_cache_key": "s1", "messages": []}') == routing_key(b'{"prompt_cache_key": "s1"}')
-    True
-    >>> turn1 = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    >>> turn2 = turn1 + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
-    >>> routing_key(json.dumps({"messages": turn1}).encode()) == routing_key(json.dumps({"messages": turn2}).encode())
-    True
-    """
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return ""
-    if not isinstance(obj, dict):
-        return ""
-    if isinstance(obj.get("prompt_cache_key"), str):
-        return "key:" + obj["prompt_cache_key"]
-    start = next((obj[f] for f in ("messages", "input", "prompt") if f in obj), "")
-    if isinstance(start, list) and start and isinstance(start[0], dict):  # chat messages / input items
-        start = start[:2]
-    text = json.dumps(start, ensure_ascii=False, separators=(",", ":"))[:PREFIX_CHARS]
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def ranking(key: str, replica_ids: list[str]) -> list[str]:
-    """Replica ids, best first, for `key` (rendezvous hashing: highest sha256(key, id) first).
-    >>> ranking("k", ["a", "b", "c"]) == ranking("k", ["c", "a", "b"])
-    True
-    """
-    return sorted(replica_ids, key=lambda r: hashlib.sha256(f"{key}|{r}".encode()).digest(), reverse=True)
+from forerun.serve.routing_key import ranking, routing_key
 
 
 class PrefixRouter(RequestRouter):

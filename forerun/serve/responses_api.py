@@ -43,6 +43,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     speculative: dict | None = None  # forerun's field, as on chat
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's field, as on chat: the tenant
 
 
 def to_chat(body: ResponsesRequest) -> ChatRequest:
@@ -53,7 +54,7 @@ def to_chat(body: ResponsesRequest) -> ChatRequest:
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + _messages(body.input)
     chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
             "max_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
-            "speculative": body.speculative}
+            "speculative": body.speculative, "cache_salt": body.cache_salt}
     if body.tools:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(body.tools)]
     if body.tool_choice is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -85,10 +86,10 @@ class ServeConfig:
         if self.prefill_chunk_seconds is not None and not self.prefill_chunk_seconds > 0:
             raise ConfigError(f"prefill_chunk_seconds must be > 0 (None, or --prefill-chunk-seconds 0: fixed chunks), "
                               f"got {self.prefill_chunk_seconds}")
-        if not self.prefix_cache_gb > 0:
-            raise ConfigError(f"prefix_cache_gb must be > 0, got {self.prefix_cache_gb}")
-        if not self.kv_cache_gb > 0:
-            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if not 0 < self.prefix_cache_gb < math.inf:
+            raise ConfigError(f"prefix_cache_gb must be a finite number > 0, got {self.prefix_cache_gb}")
+        if not 0 < self.kv_cache_gb < math.inf:
+            raise ConfigError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb}")
         if self.max_len is not None and self.max_len < 2:
             raise ConfigError(f"max_len must be >= 2 tokens, got {self.max_len}")
 
@@ -138,7 +139,12 @@ class Scheduler:
         return self.llm.new_prefix_pool(cfg.prefix_cache, cfg.prefix_cache_gb, cfg.block_size)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached block (POST /reset_prefix_cache); returns how many."""
+        """Drop every cached block (POST /reset_prefix_cache), the draft model's own pool's too;
+        returns how many of the verifier's. Call it on the engine thread (run_on_engine): the
+        drafter reads and stores its pool there, without the lock."""
+        draft_pool = getattr(self.drafter, "prefix", None)
+        if draft_pool is not None:
+            draft_pool.reset()
         if self.prefix is None:
             return 0
         with self._prefix_lock:
@@ -285,6 +291,7 @@ class Scheduler:
         for row, p in list(self.prefilling.items()):
             if p.left == 0:  # (the engine's invariant from here on: lengths[row] == len(tokens) - 1)
                 self.cache.truncate(row, p.done)
+                self._store_blocks(p.live)  # a request with the same prefix arriving meanwhile reads them
                 del self.prefilling[row]
                 self.running[row] = p.live
         if self.metrics:
