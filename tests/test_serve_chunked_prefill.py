@@ -16,8 +16,8 @@ LONG = [(3 * i * i + 7 * i + 1) % 61 + 1 for i in range(150)]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-def run(sched, prompt: list[int], max_new: int = 20):
-    """Submit one request; returns (token ids, stats) once it finishes."""
+def run(sched, prompt: list[int], max_new: int = 20, k: int = 0):
+    """Submit one request (drafts of up to k tokens); (its done event, the box its last event lands in)."""
     done, box = threading.Event(), {}
 
     def sink(ev):
@@ -25,7 +25,7 @@ def run(sched, prompt: list[int], max_new: int = 20):
             box["ev"] = ev
             done.set()
 
-    sched.submit(ServeRequest(list(prompt), GREEDY, max_new, 0, sink))
+    sched.submit(ServeRequest(list(prompt), GREEDY, max_new, k, sink))
     return done, box
 
 
@@ -82,3 +82,31 @@ def test_chunks_are_sized_by_time_while_streams_run():
         assert late_done.wait(60) and ref_done.wait(60) and first_done.wait(60)
         assert late["ev"].stats.prefill_chunks == -(-(len(LONG) - 1) // MIN_CHUNK)
         assert late["ev"].token_ids == ref["ev"].token_ids
+
+
+def test_a_draft_models_prompt_feed_is_chunked_too():
+    """With a draft model, its own cache takes the prompt in the verifier's chunks (observe_prefix)
+    between the running rows' steps: no drafting step feeds the prompt whole, and the output is the
+    whole-prefill server's."""
+    from forerun.config import SpeculativeConfig
+    from forerun.llm import LLM
+    from tests.serve_util import VOCAB
+    from tests.tiny import tiny_model
+
+    def spec():
+        draft = LLM(tiny_model(seed=1, dtype="int8", vocab_size=VOCAB, hidden_size=64, intermediate_size=128), dtype="int8")
+        return SpeculativeConfig("draft_model", 3, draft_model=draft)
+
+    with tiny_server("int8", spec=spec(), prefill_chunk=16, prefix_cache=False) as chunked, \
+            tiny_server("int8", spec=spec(), prefill_chunk=None, prefix_cache=False) as whole:
+        drafter, ends = chunked.scheduler.drafter, []
+        feed = drafter.observe_prefix
+        drafter.observe_prefix = lambda items: (ends.append([end for _, _, end, _ in items]), feed(items))
+        a_done, a = run(chunked.scheduler, LONG, k=3)
+        b_done, b = run(whole.scheduler, LONG, k=3)
+        assert a_done.wait(60) and b_done.wait(60)
+        assert a["ev"].token_ids == b["ev"].token_ids
+        assert len(ends) >= 2 and ends[-1] == [len(LONG) - 1]  # chunk by chunk, to the prompt's last token but one
+        assert ends == [[min(16 * (i + 1), len(LONG) - 1)] for i in range(len(ends))]
+        assert drafter.fed_tokens == len(LONG) - 1  # each prompt token fed once, none in a drafting step
+        assert a["ev"].stats.drafted > 0  # and the drafter drafted from there

@@ -28,7 +28,7 @@ from forerun.drafters.ngram import find_continuation
 from forerun.errors import ConfigError
 from forerun.kv.cache import KVCache, chain_batch
 from forerun.precision import follow_kv_cache
-from forerun.prefill import feed_all_but_last
+from forerun.prefill import PrefixWrite, feed_all_but_last, write_prefixes
 from forerun.sampling import draw, sample_many
 
 
@@ -107,6 +107,24 @@ class DraftModelDrafter:
             self.synced[row], self.tail[row] = len(toks) - 1, []
         self.fed_tokens += sum(len(toks) - 1 - n for n, (_, toks) in zip(starts, feeds))
         self.prompt_seconds += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def observe_prefix(self, items: list[tuple[int, list[int], int, bytes]]) -> None:
+        """The server's chunked prefill: (row, its tokens, end, salt) says the verifier's cache now
+        holds the row's tokens[:end]. Write what the draft cache lacks of them (a new row first
+        reads its own cached blocks), so a long prompt reaches the drafter a chunk at a time between
+        the other rows' steps too, and its first drafting step feeds one token, not the prompt."""
+        t0, writes = time.perf_counter(), []
+        for row, toks, end, salt in items:
+            if row not in self.synced:
+                self.synced[row], self.tail[row] = self._restore(row, toks[: end + 1], salt), []
+            if self.synced[row] < end:
+                writes.append(PrefixWrite(row, self.synced[row], toks[self.synced[row] : end]))
+                self.synced[row], self.tail[row] = end, []
+        if writes:
+            write_prefixes(self.model, self.cache, writes)
+            self.fed_tokens += sum(len(w.tokens) for w in writes)
+            self.prompt_seconds += time.perf_counter() - t0
 
     def unfed(self, row: int, tokens: list[int]) -> int:
         """Tokens of a row the next drafting step would feed beyond a drafting step's usual 1-2

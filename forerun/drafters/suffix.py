@@ -128,6 +128,10 @@ class SuffixDrafter:
         if self.fallback is not None and hasattr(self.fallback, "observe_prompts"):
             self.fallback.observe_prompts(prompts, salt)
 
+    def observe_prefix(self, items: list[tuple[int, list[int], int, bytes]]) -> None:
+        if self.fallback is not None and hasattr(self.fallback, "observe_prefix"):
+            self.fallback.observe_prefix(items)
+
     def unfed(self, row: int, tokens: list[int]) -> int:
         return self.fallback.unfed(row, tokens) if hasattr(self.fallback, "unfed") else 0
 

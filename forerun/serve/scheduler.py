@@ -279,6 +279,10 @@ class Scheduler:
             budget -= n
         engine.write_known(self.model, self.cache, [PrefixWrite(p.live.seq.row, p.done, p.live.seq.tokens[p.done : p.done + n])
                                                     for p, n in writes], self.drafter)
+        feed = getattr(self.drafter, "observe_prefix", None)  # a draft model's cache takes the same chunks
+        drafting = [(p.live.seq.row, p.live.seq.tokens, p.done + n, p.live.req.cache_salt) for p, n in writes if p.live.req.k]
+        if feed is not None and drafting:
+            feed(drafting)
         dt = time.perf_counter() - t0
         done = sum(n for _, n in writes)
         if done >= MIN_CHUNK and dt > 0:
