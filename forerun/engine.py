@@ -92,7 +92,7 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     t0 = time.perf_counter()
     starts = [0] * len(seqs)
     if job.prefix is not None:  # K/V of the cached prefix copied in (to the token); prefill computes the rest
-        starts = [job.prefix.read(s.tokens, cache, s.row, job.cache_salt) for s in seqs]
+        starts = [read_blocks(job.prefix, drafter, s, cache) for s in seqs]
         for s, n in zip(seqs, starts):
             s.stats.cached_tokens = n
     prefill(model, cache, seqs, drafter, starts)
@@ -109,10 +109,31 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
     for s in seqs:
         s.stats.prefill_time, s.stats.decode_time = t_prefill, t_decode
         if job.prefix is not None:  # the answer's blocks too: the next turn resends it
-            job.prefix.store(s.tokens, cache, s.row, cache.lengths[s.row], job.cache_salt)
+            keep_blocks(job.prefix, drafter, s, cache)
         if retire is not None:
             retire(retiring(s))
     return seqs
+
+
+def read_blocks(prefix: PrefixPool, drafter: Drafter | None, s: Sequence, cache: KVCache) -> int:
+    """Copy the cached K/V that start s.tokens into its row (its tenant's); the tokens they
+    cover. A drafter that reads the verifier's hidden states gets those of the cached positions
+    (HiddenRows from 0): it reads only blocks that keep them."""
+    sink = getattr(drafter, "observe_hidden", None)
+    on_hidden = None if sink is None else lambda h: sink([HiddenRows(s.row, 0, h)])
+    return prefix.read(s.tokens, cache, s.row, s.tenant, on_hidden=on_hidden)
+
+
+def keep_blocks(prefix: PrefixPool, drafter: Drafter | None, s: Sequence, cache: KVCache) -> None:
+    """Store the blocks s's row computed (its prompt and its answer so far); with a drafter that
+    reads hidden states, the row's hidden states too (none stored where it lacks some)."""
+    n = cache.lengths[s.row]
+    if getattr(drafter, "observe_hidden", None) is None:
+        prefix.store(s.tokens, cache, s.row, n, s.tenant)
+        return
+    hidden = getattr(drafter, "hidden_rows", lambda row, n: None)(s.row, n)
+    if hidden is not None:
+        prefix.store(s.tokens, cache, s.row, n, s.tenant, hidden=hidden)
 
 
 def _max_draft_nodes(job: GenerateJob) -> int:

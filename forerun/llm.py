@@ -128,8 +128,6 @@ class LLM:
         if spec is not None and spec.enabled:
             job.drafter, job.k, job.typical = self.drafter_for(spec), spec.k_max, spec.typical_rule
             job.forced_drafts, job.continue_forced = spec.forced_drafts, spec.continue_forced
-            if hasattr(job.drafter, "observe_hidden"):  # it reads the prompt's hidden states: no cached prefix
-                job.prefix = None
             if spec.adaptive:
                 job.k_policy = self._k_policy(spec.k_max, spec.options.get("verify_cost"))
         if params.stop:

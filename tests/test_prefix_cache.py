@@ -1,8 +1,9 @@
 """Automatic prefix caching (kv/prefix.py) through LLM: a later prompt that starts with an
 earlier prompt + answer reads those blocks instead of computing them, and its output is the
 same, bit for bit, as with no cache: greedy and seeded sampling, plain and speculative.
-Every test asserts that the cache was hit (cached_tokens > 0), and compares K/V and logits
-with torch.equal, not only tokens."""
+Every warm-against-cold test asserts that the cache was hit (cached_tokens > 0) and compares the
+outputs' logprobs (the logits at every generated token, as exact floats) besides the tokens;
+test_restored_kv_and_logits_equal_computed_ones compares restored K/V and logits with torch.equal."""
 import torch
 import pytest
 
@@ -16,6 +17,7 @@ from tests.tiny import tiny_model
 pytestmark = pytest.mark.skipif(kernel_loader.load() is None, reason="needs the compiled kernels (batch-invariant)")
 TURN1 = [(5 * i * i + i + 3) % 61 + 1 for i in range(100)]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SCORED = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=4)
 
 
 def _llm(dtype="int8", **kw):
@@ -39,22 +41,23 @@ def test_a_later_turn_reads_the_earlier_turn_and_gives_the_same_output(dtype, sp
     first = warm.generate([TURN1], GREEDY, speculative=spec)[0]
     assert first.num_cached_tokens == 0
     turn2 = TURN1 + first.token_ids + [7, 8, 9, 10, 11]  # the answer resent, then the new message
-    hot = warm.generate([turn2], GREEDY, speculative=spec)[0]
-    ref = cold.generate([turn2], GREEDY, speculative=spec)[0]
+    hot = warm.generate([turn2], SCORED, speculative=spec)[0]
+    ref = cold.generate([turn2], SCORED, speculative=spec)[0]
     # all that turn 1 computed: the prompt and the answer but its last token (8 whole blocks + a tail of 11)
     assert hot.num_cached_tokens == len(TURN1) + len(first.token_ids) - 1 == 139
-    assert hot.token_ids == ref.token_ids
+    assert hot.token_ids == ref.token_ids and hot.logprobs == ref.logprobs and len(hot.logprobs) == 40
     assert warm.prefix_cache.stats.hit == hot.num_cached_tokens
 
 
 def test_seeded_sampling_is_the_same_bits_warm_and_cold():
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True, logprobs=4)
     warm, cold = _llm(), _llm(enable_prefix_caching=False)
     first = warm.generate([TURN1], params)[0]
     prompt = TURN1 + [3, 4]
     hot, ref = warm.generate([prompt], params)[0], cold.generate([prompt], params)[0]
     # 6 whole blocks, then 4 (or 5) tokens of the 7th, which turn 1 left after TURN1's end
     assert hot.num_cached_tokens == 100 + (first.token_ids[0] == 3) and hot.token_ids == ref.token_ids
+    assert hot.logprobs == ref.logprobs and len(hot.logprobs) == 30
 
 
 def test_restored_kv_and_logits_equal_computed_ones():
@@ -199,3 +202,32 @@ def test_a_draft_models_own_cache_is_kept_and_read_too():
     ref = cold.generate([turn2], GREEDY, speculative=cold_spec)[0]
     assert hot.token_ids == ref.token_ids and hot.stats.drafted > 0
     assert drafter_pool.stats.hit - hits_before >= 128 and hot.num_cached_tokens >= 128
+
+
+def _random_head(method: str, llm: LLM):
+    """An untrained head of `method` for llm's model, random weights (float32: the verifier's)."""
+    from forerun.heads.checkpoint import new_head
+
+    head = new_head(method, llm.model, **({} if method == "eagle" else {"num_heads": 3}))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    return head
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "dflash"])
+def test_a_head_drafter_gets_the_cached_prefixs_hidden_states(method):
+    """Medusa, EAGLE and DFlash heads read the verifier's hidden states: a hit restores those of
+    the cached positions with the K/V, so the head drafts what it drafts cold (the same drafts,
+    the same acceptance), not only the same output."""
+    warm, cold = _llm("float32"), _llm("float32", enable_prefix_caching=False)
+    spec = SpeculativeConfig(method, 3, draft_model=_random_head(method, warm))
+    first = warm.generate([TURN1], GREEDY, speculative=spec)[0]
+    turn2 = TURN1 + first.token_ids + [7, 8, 9]
+    hot, ref = warm.generate([turn2], SCORED, speculative=spec)[0], cold.generate([turn2], SCORED, speculative=spec)[0]
+    assert hot.num_cached_tokens == len(TURN1) + len(first.token_ids) - 1
+    assert hot.token_ids == ref.token_ids and hot.logprobs == ref.logprobs
+    assert (hot.stats.drafted, hot.stats.accepted) == (ref.stats.drafted, ref.stats.accepted) and hot.stats.drafted > 0
+    assert all(b.h is not None for b in warm.prefix_cache.blocks.values())
+    assert warm.generate([turn2], GREEDY, speculative=None)[0].num_cached_tokens == 0  # kept apart from plain blocks

@@ -148,3 +148,23 @@ def test_the_flags_turn_it_off_or_opt_in_at_any_precision(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
     with pytest.warns(RuntimeWarning, match="a cache hit may change tokens"), tiny_server("float64", prefix_cache=True) as s:
         assert s.scheduler.prefix is not None  # opted in where hits are not bit-stable: said so
+
+
+def test_an_eagle_server_hits_and_drafts_as_without_the_cache():
+    """The server's prefix cache with a head drafter (EAGLE reads the verifier's hidden states):
+    a later turn reads turn 1's blocks and their hidden states, and answers and drafts as a
+    server without the cache."""
+    from forerun.config import SpeculativeConfig
+    from tests.serve_util import tiny_llm
+    from tests.test_prefix_cache import _random_head
+
+    head = _random_head("eagle", tiny_llm("float32"))
+    spec = lambda: SpeculativeConfig("eagle", 3, draft_model=head)  # noqa: E731
+    with tiny_server("float32", spec=spec()) as warm, tiny_server("float32", spec=spec(), prefix_cache=False) as cold:
+        with warm.client() as wc, cold.client() as cc:
+            hot, ref = session_bodies(wc), session_bodies(cc)
+    assert hot[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    for h, r in zip(hot, ref):
+        assert h["choices"][0]["message"] == r["choices"][0]["message"]
+        assert h["forerun"]["drafted"] == r["forerun"]["drafted"] and h["forerun"]["accepted"] == r["forerun"]["accepted"]
+    assert hot[1]["forerun"]["drafted"] > 0

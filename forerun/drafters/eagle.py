@@ -51,6 +51,11 @@ class EagleDrafter:
         forget_row(self.logits, row)
         self.synced.pop(row, None)
 
+    def hidden_rows(self, row: int, n: int) -> torch.Tensor | None:
+        """[n, H] the verifier's hidden states at the row's positions 0 .. n - 1, for the prefix
+        cache to keep with its blocks; None where some never arrived."""
+        return None if self.features is None else self.features.first(row, n)
+
     def observe_hidden(self, rows: list[HiddenRows]) -> None:
         self.features.write(rows)
 

@@ -39,6 +39,11 @@ class FeatureStore:
         dev = self.buf.device
         return self.buf[torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)]
 
+    def first(self, row: int, n: int) -> torch.Tensor | None:
+        """[n, H] positions 0 .. n - 1 of one row (a view), or None where some never arrived:
+        what a prefix cache keeps with the row's blocks (kv/prefix.py)."""
+        return self.buf[row, :n] if self.covers(row, n) else None
+
     def span(self, row: int, start: int, end: int) -> torch.Tensor:
         """[end - start, H] positions start .. end - 1 of one row (a view)."""
         return self.buf[row, start:end]

@@ -45,6 +45,11 @@ class MedusaDrafter:
         self.features.forget(row)
         forget_row(self.logits, row)
 
+    def hidden_rows(self, row: int, n: int) -> torch.Tensor | None:
+        """[n, H] the verifier's hidden states at the row's positions 0 .. n - 1, for the prefix
+        cache to keep with its blocks; None where some never arrived."""
+        return None if self.features is None else self.features.first(row, n)
+
     def observe_hidden(self, rows: list[HiddenRows]) -> None:
         self.features.write(rows)
 

@@ -25,12 +25,18 @@ next turn resends the last answer: it then reads all of it, not the answer's who
 Eviction: least recently used first, and a block only once no cached block follows it (leaf
 first: a chain is dropped from its end, so what stays is always a reachable prefix). Blocks
 that the memory bound cannot keep are simply not stored.
+
+Drafters that read the verifier's hidden states (Medusa, EAGLE, DFlash heads) need those of the
+cached positions too: their blocks also keep the hidden state of every position (`hidden` to
+`store`, `on_hidden` to `read`), under keys of their own (a block stored without them is never
+read for such a drafter, and a plain request never pays for them).
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -66,6 +72,7 @@ class Block:
     tokens: tuple[int, ...]  # block_size token ids, fewer for a tail
     k: torch.Tensor  # [layers, H_kv, len(tokens), D]
     v: torch.Tensor
+    h: torch.Tensor | None = None  # [len(tokens), hidden]: the verifier's hidden states there (see above)
     children: int = 0  # cached blocks (whole or tails) whose parent this is
     used: int = 0  # the pool's clock at its last hit or store
 
@@ -103,17 +110,18 @@ class PrefixPool:
     salt: bytes  # model, precision, KV dtype: a block of another model never matches
     blocks: dict[bytes, Block] = field(default_factory=dict)
     stats: PrefixStats = field(default_factory=PrefixStats)
-    used_bytes: int = 0  # K and V of the cached blocks
+    used_bytes: int = 0  # K and V (and hidden states) of the cached blocks
     kids: dict[bytes, set[bytes]] = field(default_factory=dict)  # a block's key -> its cached children's
     _clock: itertools.count = field(default_factory=itertools.count)
 
-    def keys(self, tokens: list[int], salt: bytes = b"") -> list[bytes]:
-        return block_keys(tokens, self.block_size, self.salt + b"/" + salt)
+    def keys(self, tokens: list[int], salt: bytes = b"", hidden: bool = False) -> list[bytes]:
+        return block_keys(tokens, self.block_size, self.salt + (b"/hidden/" if hidden else b"/") + salt)
 
-    def lookup(self, tokens: list[int], salt: bytes = b"") -> Match:
+    def lookup(self, tokens: list[int], salt: bytes = b"", hidden: bool = False) -> Match:
         """The cached K/V that start `tokens`, leaving its last token uncovered: whole blocks in
-        order, then the cached child of the last one that shares the most next tokens."""
-        keys = self.keys(tokens[:-1], salt)
+        order, then the cached child of the last one that shares the most next tokens (hidden:
+        among the blocks that keep hidden states)."""
+        keys = self.keys(tokens[:-1], salt, hidden)
         self.stats.queried += len(tokens) - 1
         hits = []
         for key in keys:
@@ -136,15 +144,25 @@ class PrefixPool:
         self.stats.hit += match.tokens
         return match
 
-    def read(self, tokens: list[int], cache, row: int, salt: bytes = b"") -> int:
+    def read(self, tokens: list[int], cache, row: int, salt: bytes = b"",
+             on_hidden: Callable[[torch.Tensor], None] | None = None) -> int:
         """Copy the cached K/V that start `tokens` into slots [0, n) of a cache row (any
-        KVStore); returns n, the tokens they cover (0 on a miss)."""
-        return restore(self.lookup(tokens, salt), cache, row)
+        KVStore); returns n, the tokens they cover (0 on a miss). on_hidden: read the blocks
+        that keep hidden states, and hand it those of positions [0, n) ([n, hidden]) on a hit."""
+        match = self.lookup(tokens, salt, hidden=on_hidden is not None)
+        n = restore(match, cache, row)
+        if n and on_hidden is not None:
+            on_hidden(torch.cat([b.h for b in match.blocks] + ([match.tail.h[: match.tail_len]] if match.tail_len else [])))
+        return n
 
-    def store(self, tokens: list[int], cache, row: int, computed: int, salt: bytes = b"") -> int:
+    def store(self, tokens: list[int], cache, row: int, computed: int, salt: bytes = b"",
+              hidden: torch.Tensor | None = None) -> int:
         """Keep the blocks of tokens[:computed] whose K/V a cache row holds (any KVStore): the
-        whole ones, then the partial one after them as a tail; returns the blocks newly stored."""
-        keys = self.keys(tokens[:computed], salt)
+        whole ones, then the partial one after them as a tail; returns the blocks newly stored.
+        hidden [>= computed, hidden_size]: the verifier's hidden states of those positions, kept
+        with them (under the keys `read(on_hidden=...)` looks up)."""
+        keys = self.keys(tokens[:computed], salt, hidden is not None)
+        h = (lambda a, b: None) if hidden is None else (lambda a, b: hidden[a:b])
         new = [i for i, key in enumerate(keys) if key not in self.blocks]
         for key in keys:  # the whole chain is fresh now: evict others before any of it
             if key in self.blocks:
@@ -157,7 +175,8 @@ class PrefixPool:
                 s = (i - new[0]) * self.block_size
                 parent = keys[i - 1] if i else None
                 if not self._keep(keys[i], parent, tuple(tokens[lo + s : lo + s + self.block_size]),
-                                  ks[:, :, s : s + self.block_size], vs[:, :, s : s + self.block_size], set(keys[: i + 1])):
+                                  ks[:, :, s : s + self.block_size], vs[:, :, s : s + self.block_size], set(keys[: i + 1]),
+                                  h(lo + s, lo + s + self.block_size)):
                     break  # no room, or its parent could not be kept (a child without one is never reached)
                 stored, tokens_kept = stored + 1, tokens_kept + self.block_size
         whole = len(keys) * self.block_size
@@ -169,17 +188,17 @@ class PrefixPool:
                 self.blocks[covering[0]].used = next(self._clock)
             else:
                 ks, vs = cache.export_slots(row, whole, computed)
-                if self._keep(key, keys[-1], tail, ks, vs, set(keys) | {key}):
+                if self._keep(key, keys[-1], tail, ks, vs, set(keys) | {key}, h(whole, computed)):
                     stored, tokens_kept = stored + 1, tokens_kept + len(tail)
         self.stats.stored += tokens_kept
         return stored
 
     def _keep(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], k: torch.Tensor, v: torch.Tensor,
-              keep: set[bytes]) -> bool:
-        """Store one block (k, v [layers, H_kv, len(tokens), D], copied) under `parent`; a cached
-        tail that it continues is dropped (this block holds its K/V too). False when the bound
-        leaves no room or the parent is not cached."""
-        nbytes = k.nbytes + v.nbytes
+              keep: set[bytes], h: torch.Tensor | None = None) -> bool:
+        """Store one block (k, v [layers, H_kv, len(tokens), D], and h [len(tokens), hidden] where
+        given, copied) under `parent`; a cached tail that it continues is dropped (this block
+        holds its K/V too). False when the bound leaves no room or the parent is not cached."""
+        nbytes = _nbytes(k, v, h)
         if not self._make_room(nbytes, keep) or (parent is not None and parent not in self.blocks):
             return False
         if parent is not None:
@@ -188,7 +207,7 @@ class PrefixPool:
                 self._drop(other)
             self.blocks[parent].children += 1
             self.kids.setdefault(parent, set()).add(key)
-        self.blocks[key] = Block(parent, tokens, k.clone(), v.clone(), used=next(self._clock))
+        self.blocks[key] = Block(parent, tokens, k.clone(), v.clone(), None if h is None else h.clone(), used=next(self._clock))
         self.used_bytes += nbytes
         return True
 
@@ -210,7 +229,7 @@ class PrefixPool:
             self.blocks[block.parent].children -= 1
             self.kids[block.parent].discard(key)
         self.kids.pop(key, None)
-        self.used_bytes -= block.k.nbytes + block.v.nbytes
+        self.used_bytes -= _nbytes(block.k, block.v, block.h)
 
     def reset(self) -> int:
         """Drop every cached block; returns how many there were."""
@@ -222,6 +241,10 @@ class PrefixPool:
 
 
 STAGE_BYTES = 8 << 20  # K and V of the blocks one import_blocks call copies (restore)
+
+
+def _nbytes(k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None) -> int:
+    return k.nbytes + v.nbytes + (0 if h is None else h.nbytes)
 
 
 def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -132,10 +132,8 @@ class Scheduler:
 
     def _prefix_pool(self, cfg: ServeConfig):
         """The server's prefix cache (LLM.new_prefix_pool, at this server's block size); None
-        where it is off, or where the drafter reads the prompt's hidden states (a cached prefix
-        would leave it without them)."""
-        if hasattr(self.drafter, "observe_hidden"):
-            return None
+        where it is off. A drafter that reads the prompt's hidden states gets those of a cached
+        prefix from it too (engine.read_blocks)."""
         return self.llm.new_prefix_pool(cfg.prefix_cache, cfg.prefix_cache_gb, cfg.block_size)
 
     def reset_prefix_cache(self) -> int:
@@ -377,7 +375,7 @@ class Scheduler:
         if self.prefix is None:
             return 0
         with self._prefix_lock:
-            n = self.prefix.read(lv.seq.tokens, self.cache, lv.seq.row, lv.req.cache_salt)
+            n = engine.read_blocks(self.prefix, self.drafter, lv.seq, self.cache)
         if not lv.preempted:  # (the prompt's cached tokens, as usage reports them)
             lv.seq.stats.cached_tokens = n
         return n
@@ -393,9 +391,8 @@ class Scheduler:
     def _store_blocks(self, lv: Live) -> None:
         """The blocks lv's row computed (whole, and its last partial one), into the prefix cache (where it is on)."""
         if self.prefix is not None:
-            row = lv.seq.row
             with self._prefix_lock:
-                self.prefix.store(lv.seq.tokens, self.cache, row, self.cache.lengths[row], lv.req.cache_salt)
+                engine.keep_blocks(self.prefix, self.drafter, lv.seq, self.cache)
 
     def _release(self, lv: Live) -> None:
         """lv leaves its row (finished, failed, cancelled or preempted): the row, its blocks back."""
