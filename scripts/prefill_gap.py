@@ -36,11 +36,11 @@ from forerun.serve.one_pool import built_off_thread
 from forerun.serve.scheduler import ServeConfig
 
 
-def gaps_under_newcomer(url: str, newcomer: str, max_tokens: int) -> list[float]:
-    """A's gaps between streamed chunks, B sent after A's 8th chunk."""
+def gaps_under_newcomer(url: str, newcomer: str, max_tokens: int, newcomer_tokens: int = 4) -> list[float]:
+    """A's gaps between streamed chunks, B (newcomer_tokens new tokens) sent after A's 8th chunk."""
     body = {"messages": [{"role": "user", "content": "Count from 1 to 200, one number a line."}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
-    late = {"messages": [{"role": "user", "content": newcomer}], "max_tokens": 4, "temperature": 0}
+    late = {"messages": [{"role": "user", "content": newcomer}], "max_tokens": newcomer_tokens, "temperature": 0}
     stamps, sender = [], None
     with httpx.Client(base_url=url, timeout=3600) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
@@ -63,6 +63,7 @@ def main() -> None:
                     help="comma-separated settings: N (--prefill-chunk N, --prefill-chunk-seconds 0; 0: whole prompts) "
                          "or N:S (--prefill-chunk N --prefill-chunk-seconds S)")
     ap.add_argument("--max-tokens", type=int, default=160, help="stream A's new tokens")
+    ap.add_argument("--newcomer-tokens", type=int, default=4, help="the newcomer's new tokens")
     ap.add_argument("--draft-model", default=None, help="draft with this model (its int4 default), k = --k")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--drafter-feed", default="chunked", help="comma-separated: chunked, first-step (see above)")
@@ -74,14 +75,14 @@ def main() -> None:
     feeds = args.drafter_feed.split(",") if spec else ["-"]
     for setting, feed in [(s, f) for s in args.chunks.split(",") for f in feeds]:
         chunk, _, seconds = setting.partition(":")
-        cfg = ServeConfig(max_batch=2, max_len=args.tokens + 256, prefill_chunk=int(chunk) or None,
+        cfg = ServeConfig(max_batch=2, max_len=args.tokens + max(256, args.newcomer_tokens + 16), prefill_chunk=int(chunk) or None,
                           prefill_chunk_seconds=float(seconds) if seconds else None, prefix_cache=False)
         app = build_server(llm, spec, cfg, default_max_tokens=args.max_tokens)
         if feed == "first-step":  # the drafter sees no prefill chunk: its first step feeds the prompt
             app.state.scheduler.drafter.observe_prefix = lambda items: None
         server, url = serve_in_thread(app)
         try:
-            gaps = gaps_under_newcomer(url, newcomer, args.max_tokens)
+            gaps = gaps_under_newcomer(url, newcomer, args.max_tokens, args.newcomer_tokens)
         finally:
             server.should_exit = True
             time.sleep(1)
