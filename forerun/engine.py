@@ -1,7 +1,9 @@
 """The generate loop: prefill, then draft -> verify -> commit -> emit until every row stops.
 
 Plain decoding is the same loop with empty drafts, so speculative and plain runs share
-every line but the drafter call. Invariant per sequence (cache row):
+every line but the drafter call. The prefill computes every prompt token and samples the first
+token from the last one's logits (so the first token costs no step of its own, as in any
+server). From then on, per sequence (cache row):
     cache.lengths[row] == len(seq.tokens) - 1
 i.e. the last committed token is *pending*: its K/V is written by the next forward,
 which feeds [pending] + draft and so scores the draft and the next position at once.
@@ -95,12 +97,12 @@ def generate(model, job: GenerateJob) -> list[Sequence]:
         starts = [read_blocks(job.prefix, drafter, s, cache) for s in seqs]
         for s, n in zip(seqs, starts):
             s.stats.cached_tokens = n
-    prefill(model, cache, seqs, drafter, starts)
+    first_tokens(model, cache, seqs, prefill(model, cache, seqs, drafter, starts), job, generator)
     feed_drafter = getattr(drafter, "observe_prompts", None)
     if feed_drafter is not None:  # a draft model's own cache takes the prompts in the prefill too
-        feed_drafter([(s.row, s.tokens) for s in seqs], salt=job.cache_salt)
+        feed_drafter([(s.row, s.tokens) for s in seqs], salt=job.cache_salt)  # (the first token pending)
     t_prefill = time.perf_counter() - t0
-    active = list(seqs)
+    active = [s for s in seqs if s.finish_reason is None]
     while active:
         step(model, cache, active, job, generator)
         active = [s for s in active if s.finish_reason is None]
@@ -144,23 +146,49 @@ def _max_draft_nodes(job: GenerateJob) -> int:
 
 
 def prefill(model, cache: KVCache, seqs: list[Sequence], drafter: Drafter | None = None,
-            starts: list[int] | None = None):
-    """Write K/V for every prompt token but the last (the first step feeds that one), from
-    slot starts[i] on (the slots before hold cached K/V); a drafter with `observe_hidden`
-    gets the hidden states of the tokens computed (HiddenRows)."""
+            starts: list[int] | None = None) -> torch.Tensor:
+    """Write K/V for every prompt token from slot starts[i] on (the slots before hold cached K/V;
+    a hit leaves at least the last token to compute); a drafter with `observe_hidden` gets the
+    hidden states of the tokens computed (HiddenRows). Returns the last prompt token's hidden
+    state of each sequence, [B, 1, hidden_size], whose logits give its first token (first_tokens)."""
     starts = starts or [0] * len(seqs)
-    write_known(model, cache, [PrefixWrite(s.row, a, s.tokens[a:-1]) for s, a in zip(seqs, starts)
-                               if len(s.tokens) - 1 > a], drafter)
+    last = write_known(model, cache, [PrefixWrite(s.row, a, s.tokens[a:]) for s, a in zip(seqs, starts)], drafter)
     for s in seqs:
-        cache.truncate(s.row, len(s.tokens) - 1)
+        cache.truncate(s.row, len(s.tokens))
+    return torch.stack(last)[:, None]
 
 
-def write_known(model, cache: KVCache, writes: list[PrefixWrite], drafter: Drafter | None = None):
+def write_known(model, cache: KVCache, writes: list[PrefixWrite], drafter: Drafter | None = None) -> list[torch.Tensor]:
     """K/V for known tokens (prompts, or chunks of them: the server's chunked prefill); a
-    drafter with `observe_hidden` gets their hidden states (HiddenRows)."""
+    drafter with `observe_hidden` gets their hidden states (HiddenRows). Returns the hidden
+    state of each write's last token ([hidden_size] each, in the order of `writes`)."""
     sink = getattr(drafter, "observe_hidden", None)
-    on_hidden = None if sink is None else lambda p, h: sink([HiddenRows(p.row, p.start, h)])
+    last: dict[int, torch.Tensor] = {}
+
+    def on_hidden(p: PrefixWrite, h: torch.Tensor):
+        if sink is not None:
+            sink([HiddenRows(p.row, p.start, h)])
+        last[p.row] = h[-1]  # (a row's chunks run in order: its last chunk comes last)
+
     write_prefixes(model, cache, writes, on_hidden=on_hidden)
+    return [last[w.row] for w in writes]
+
+
+def first_tokens(model, cache: KVCache, seqs: list[Sequence], hidden: torch.Tensor, job: GenerateJob, generator):
+    """Each sequence's first token from its last prompt token's logits (hidden [B, 1,
+    hidden_size] from prefill): sampled as a step without a draft samples it (grammar mask,
+    penalties, logprobs, the same draws), then committed and streamed. The K/V hold the whole
+    prompts, and the new token is pending: the engine's invariant from here on."""
+    t0 = time.perf_counter()
+    logits = model.hidden_to_logits(hidden)  # [B, 1, V]
+    drafts = [Draft([], None) for _ in seqs]
+    shaped = _shaped(logits, seqs, drafts)
+    nexts = _verify(shaped, drafts, job.params, generator, job.typical).next_token.tolist()
+    dt = time.perf_counter() - t0
+    for i, (s, nxt) in enumerate(zip(seqs, nexts)):
+        s.stats.prefill_tokens += 1
+        _commit(s, [nxt], job, cache, draft_s=0.0, verify_s=dt, scored=_scored(s, logits[i], range(1), [nxt]))
+        _mark(s, False, 0, at_end=False)
 
 
 def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, generator):

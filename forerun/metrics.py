@@ -12,6 +12,7 @@ class SpecStats:
     rejections: int = 0  # steps that ended in a recovered token (a draft token refused)
     bonus: int = 0  # steps whose whole non-empty draft was accepted
     verifier_forwards: int = 0  # decode steps (one verifier forward each; prefill not counted)
+    prefill_tokens: int = 0  # tokens sampled from the prefill's logits (the first one: no step of its own)
     accepted_at: list[int] = field(default_factory=list)  # [k] accepts per draft position
     drafted_at: list[int] = field(default_factory=list)  # [k] steps whose draft reached each position
     # One letter per generated token, where it came from (forerun/bench/provenance.py):
@@ -33,8 +34,14 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """tau: tokens emitted per verifier forward, empty-draft steps included (Spec-Bench)."""
-        return self.generated / self.verifier_forwards if self.verifier_forwards else 0.0
+        """tau: tokens emitted per verifier forward, empty-draft steps included (Spec-Bench); the
+        first token, which the prefill's forward gave, is not a step's."""
+        return self.decoded / self.verifier_forwards if self.verifier_forwards else 0.0
+
+    @property
+    def decoded(self) -> int:
+        """Tokens the decoding steps emitted (all but what the prefill gave)."""
+        return max(0, self.generated - self.prefill_tokens)
 
     @property
     def wall_time(self) -> float:
@@ -48,7 +55,7 @@ class SpecStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.generated / self.decode_time if self.decode_time > 0 else 0.0
+        return self.decoded / self.decode_time if self.decode_time > 0 else 0.0
 
     def record_step(self, draft_len: int, num_accepted: int, bonus: bool | None = None):
         """draft_len: tokens the step could accept (a tree's depth); bonus: the step ended
@@ -85,7 +92,7 @@ def merge(stats: list[SpecStats]) -> SpecStats:
     """Sum counters and times over sequences (e.g. a whole prompt set)."""
     out = SpecStats()
     for s in stats:
-        for name in ("generated", "drafted", "accepted", "rejections", "bonus", "verifier_forwards", "forced"):
+        for name in ("generated", "drafted", "accepted", "rejections", "bonus", "verifier_forwards", "prefill_tokens", "forced"):
             setattr(out, name, getattr(out, name) + getattr(s, name))
         for name in ("prefill_time", "decode_time", "draft_time", "verify_time"):
             setattr(out, name, getattr(out, name) + getattr(s, name))

@@ -48,7 +48,7 @@ def main() -> None:
         for c in names if i % 2 == 0 else names[::-1]:
             out = llms[c].chat(messages, params, speculative=configs[c])[0]
             s, t = out.stats, totals[c]
-            t[0] += s.generated
+            t[0] += s.decoded
             t[1] += s.decode_time
             t[2] += s.verifier_forwards
             t[3] += s.forced

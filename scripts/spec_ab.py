@@ -87,7 +87,7 @@ def main() -> None:
     print(f"{len(texts)} prompts, {args.max_new_tokens} new tokens, outputs identical")
     for text, st in zip(args.configs, (merge(s) for s in stats)):
         steps = max(1, st.verifier_forwards)
-        print(f"{text}: decode {st.decode_tokens_per_s:.2f} tok/s, tau {st.generated / steps:.2f}, "
+        print(f"{text}: decode {st.decode_tokens_per_s:.2f} tok/s, tau {st.mean_accepted_length:.2f}, "
               f"drafted {st.drafted / steps:.2f} a step, verify {1e3 * st.verify_time / steps:.1f} ms and "
               f"draft {1e3 * st.draft_time / steps:.1f} ms a step")
 

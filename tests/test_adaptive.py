@@ -54,9 +54,9 @@ def test_auto_keeps_greedy_output(dtype, method):
 
 
 def test_auto_keeps_the_sampled_law():
-    prompt, params = [1, 2, 3, 1, 2, 3, 1, 2], dict(temperature=0.8, top_p=0.9, max_tokens=3)
+    prompt, params = [1, 2, 3, 1, 2, 3, 1, 2], dict(temperature=0.8, top_p=0.9, max_tokens=4)
     verifier = LLM(tiny_model(seed=0, vocab_size=8))
-    reference = joint_distribution(verifier.model, prompt, SamplingParams(**params), n=3)
+    reference = joint_distribution(verifier.model, prompt, SamplingParams(**params), n=4)
     # a flat cost curve (as on a memory-bound verifier): the controller drafts, and varies k
     spec = SpeculativeConfig("draft_model", "auto", draft_model=LLM(tiny_model(seed=7, vocab_size=8)),
                              options={"k_max": 3, "verify_cost": [1.0, 1.0, 1.05, 1.1]})

@@ -70,7 +70,8 @@ def test_engine_records_where_each_token_came_from(spec):
         assert len(s.origins) == len(o.token_ids) == s.generated
         assert set(s.origins) <= set("arbp")
         assert s.origins.count("a") <= s.accepted  # equal unless the budget cut the last step
-        assert len(s.origins) - s.origins.count("a") <= s.verifier_forwards  # one verifier token a step
+        assert len(s.origins) - s.origins.count("a") <= s.verifier_forwards + s.prefill_tokens  # one verifier token a step, the first from the prefill
+        assert s.prefill_tokens == 1 and s.origins[0] == "p"
         if spec is None:
             assert s.origins == "p" * len(o.token_ids)
         else:

@@ -47,8 +47,8 @@ def test_greedy_identity_via_retokenisation(pair, k):
 def test_sampling_is_exact_via_vocabulary_intersection(pair):
     verifier, draft = pair
     prompt = VERIFIER_TOK.encode("abcdabe")
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=3, seed=4)
-    reference = joint_distribution(verifier.model, prompt, params, n=3)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=4, seed=4)
+    reference = joint_distribution(verifier.model, prompt, params, n=4)
     outs = verifier.generate([prompt] * 12_000, params, speculative=SpeculativeConfig("draft_model", 2, draft_model=draft))
     st = merge([o.stats for o in outs])
     assert st.accepted > 0 and st.rejections > 0 and st.bonus > 0, st

@@ -29,9 +29,9 @@ def test_greedy_output_is_unchanged(dtype):
 
 
 def test_sampling_keeps_the_verifiers_law():
-    prompt, params = [1, 2, 3, 1, 2, 3, 1, 2], dict(temperature=0.8, top_p=0.9, max_tokens=3)
+    prompt, params = [1, 2, 3, 1, 2, 3, 1, 2], dict(temperature=0.8, top_p=0.9, max_tokens=4)
     verifier = LLM(tiny_model(seed=0, vocab_size=8))
-    reference = joint_distribution(verifier.model, prompt, SamplingParams(**params), n=3)
+    reference = joint_distribution(verifier.model, prompt, SamplingParams(**params), n=4)
     draft = LLM(tiny_model(seed=7, vocab_size=8))
     spec = SpeculativeConfig("draft_model", 2, draft_model=draft, options={"draft_vocab": 5})
     outs = verifier.generate([prompt] * 20_000, SamplingParams(**params, seed=5), speculative=spec)
@@ -145,9 +145,9 @@ def test_prompts_are_written_in_the_prefill():
     draft.model.forward = lambda batch, *a, **kw: widths.append(batch.tokens.shape[1]) or forward(batch, *a, **kw)
     outs = verifier.generate(PROMPTS, greedy, speculative=spec)
     assert [o.token_ids for o in outs] == plain
-    assert drafter.prompt_seconds > 0 and drafter.fed_tokens >= sum(len(p) - 1 for p in PROMPTS)
-    first_step = widths.index(1)  # after the prefill's forwards (their width: the longest prompt but one)
-    assert widths[:first_step] == [max(len(p) for p in PROMPTS) - 1] and max(widths[first_step:]) <= 2
+    assert drafter.prompt_seconds > 0 and drafter.fed_tokens >= sum(len(p) for p in PROMPTS)
+    first_step = widths.index(1)  # after the prefill's forwards (their width: the longest prompt)
+    assert widths[:first_step] == [max(len(p) for p in PROMPTS)] and max(widths[first_step:]) <= 2
 
 
 def test_pick_is_the_argmax_of_the_full_row():

@@ -154,13 +154,15 @@ def test_int8_head_keeps_the_embedding_half_of_its_input(method):
 
 # -- drafts equal a from-scratch computation ------------------------------------------------
 def _drafter(verifier, spec, seq):
-    """A drafter that has seen prefill of `seq` (its hidden states), ready to propose."""
-    from forerun.engine import Sequence, prefill
+    """A drafter that has seen the hidden states of `seq` but its last token (pending, as after a
+    step), ready to propose."""
+    from forerun.engine import write_known
+    from forerun.prefill import PrefixWrite
 
     d = verifier.drafter_for(spec)
     cache = verifier.model.new_cache(1, 64)
     d.start(1, 64, cache)
-    prefill(verifier.model, cache, [Sequence(0, list(seq), len(seq), 8)], d)
+    write_known(verifier.model, cache, [PrefixWrite(0, 0, list(seq[:-1]))], d)
     return d
 
 

@@ -1,5 +1,5 @@
 """Sampling through Medusa and EAGLE heads keeps the verifier's law: chi-square of 12k
-three-token samples against the exact joint distribution (tests/stats_util.py), for the
+four-token samples (the prefill's, then steps drafting up to two) against the exact joint distribution (tests/stats_util.py), for the
 chain with q (rejection sampling), Medusa's tree of i.i.d. draws (recursive rejection
 sampling), EAGLE-2's deterministic tree (the one-hot sibling rule), and a chain whose q
 covers a reduced draft vocabulary."""
@@ -15,7 +15,7 @@ from tests.tiny import tiny_model
 
 N = 12_000
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2]
-PARAMS = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=21)
+PARAMS = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, seed=21)
 SHAPES = {
     "chain": dict(tree_width=1),
     "tree": dict(tree_width=2, options={"tree_nodes": 4, "tree_beam": 2}),
@@ -30,7 +30,7 @@ def verifier():
 
 @pytest.fixture(scope="module")
 def reference(verifier):
-    return joint_distribution(verifier.model, PROMPT, PARAMS, n=3)
+    return joint_distribution(verifier.model, PROMPT, PARAMS, n=4)
 
 
 def _head(method, verifier):

@@ -76,16 +76,17 @@ def test_greedy_speculation_equals_plain_with_penalties(verifier, spec):
 
 N = 20_000
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
-SAMPLE = dict(temperature=0.8, top_p=0.95, max_tokens=3, **PEN)
+SAMPLE = dict(temperature=0.8, top_p=0.95, max_tokens=4, **PEN)  # the prefill's token, then drafts of up to 2
 
 
 def penalized_law(model, params) -> dict[tuple, float]:
-    """The exact law of 3 tokens under plain sampling with the penalties, by enumeration."""
+    """The exact law of the first tokens (params.max_tokens) under plain sampling with the
+    penalties, by enumeration."""
     law = {(): 1.0}
-    for _ in range(3):
+    for _ in range(params.max_tokens):
         nxt = {}
         for prefix, mass in law.items():
-            s = Sequence(0, PROMPT + list(prefix), len(PROMPT), 3)
+            s = Sequence(0, PROMPT + list(prefix), len(PROMPT), params.max_tokens)
             s.penalties = Penalties.of(params)
             logits = model.score(PROMPT + list(prefix), last_only=True)[None, None]
             p = logits_to_probs(apply(logits, logits, [s], [Draft([])])[0, 0], params)

@@ -64,8 +64,8 @@ def small_vocab():
 
 @pytest.mark.parametrize("method", list(SPECS))
 def test_sampling_is_exact(small_vocab, method):
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=21)
-    reference = joint_distribution(small_vocab.model, STAT_PROMPT, params, n=3)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, seed=21)
+    reference = joint_distribution(small_vocab.model, STAT_PROMPT, params, n=4)
     outs = small_vocab.generate([STAT_PROMPT] * N, params, speculative=SPECS[method](2))
     st = merge([o.stats for o in outs])
     assert st.accepted > 0 and st.rejections > 0, st

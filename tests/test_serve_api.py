@@ -215,3 +215,21 @@ def test_n_choices_stream_interleaved_each_with_its_index(server):
     assert finishes == {0: "length", 1: "length", 2: "length"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 30
     assert lines.rstrip().endswith("data: [DONE]")
+
+
+def test_a_one_token_answer_comes_from_the_prefill_without_a_step():
+    """The first token is sampled from the prompt's last logits in the prefill (as LLM does, the
+    same draws for a seed): a max_tokens=1 request takes no decoding step."""
+    from forerun.config import SamplingParams
+    from tests.serve_util import tiny_llm
+
+    llm = tiny_llm()
+    with tiny_server(k=4) as s, s.client() as c:
+        for seed in (None, 0, 1, 2):
+            body = {"prompt": "abcabcab", "max_tokens": 1, "temperature": 0 if seed is None else 1.0, "seed": seed}
+            r = c.post("/v1/completions", json=body).json()
+            want = llm.generate(["abcabcab"], SamplingParams(max_tokens=1, temperature=body["temperature"], seed=seed), speculative=None)[0]
+            assert r["choices"][0]["text"] == want.text and r["choices"][0]["finish_reason"] == "length"
+            assert r["usage"]["completion_tokens"] == 1 and r["forerun"]["verifier_forwards"] == 0
+        metrics = c.get("/metrics").text
+    assert "forerun_steps_total 0.0" in metrics

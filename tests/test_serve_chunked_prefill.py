@@ -106,7 +106,7 @@ def test_a_draft_models_prompt_feed_is_chunked_too():
         b_done, b = run(whole.scheduler, LONG, k=3)
         assert a_done.wait(60) and b_done.wait(60)
         assert a["ev"].token_ids == b["ev"].token_ids
-        assert len(ends) >= 2 and ends[-1] == [len(LONG) - 1]  # chunk by chunk, to the prompt's last token but one
-        assert ends == [[min(16 * (i + 1), len(LONG) - 1)] for i in range(len(ends))]
-        assert drafter.fed_tokens == len(LONG) - 1  # each prompt token fed once, none in a drafting step
+        assert len(ends) >= 2 and ends[-1] == [len(LONG)]  # chunk by chunk, to the prompt's last token
+        assert ends == [[min(16 * (i + 1), len(LONG))] for i in range(len(ends))]
+        assert drafter.fed_tokens == len(LONG)  # each prompt token fed once, none in a drafting step
         assert a["ev"].stats.drafted > 0  # and the drafter drafted from there

@@ -154,7 +154,7 @@ def small():
 
 @pytest.fixture(scope="module")
 def reference(small):
-    return joint_distribution(small.model, PROMPT, SamplingParams(**PARAMS), n=3)
+    return joint_distribution(small.model, PROMPT, SamplingParams(**PARAMS), n=PARAMS["max_tokens"])
 
 
 def _seeded_store(drafter):

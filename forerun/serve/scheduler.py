@@ -46,7 +46,7 @@ from forerun.kv.paged import PagedKVCache
 from forerun.penalties import Penalties
 from forerun.prefill import PrefixWrite
 from forerun.serve.request import Event, ServeRequest
-from forerun.serve.step import Live, step_all
+from forerun.serve.step import Live, first_tokens, step_all
 from forerun.streaming import TextStream
 
 
@@ -275,10 +275,24 @@ class Scheduler:
                 continue
             writes.append((p, n))
             budget -= n
-        engine.write_known(self.model, self.cache, [PrefixWrite(p.live.seq.row, p.done, p.live.seq.tokens[p.done : p.done + n])
-                                                    for p, n in writes], self.drafter)
+        hidden = engine.write_known(self.model, self.cache, [PrefixWrite(p.live.seq.row, p.done, p.live.seq.tokens[p.done : p.done + n])
+                                                             for p, n in writes], self.drafter)
+        firsts = {p.live.seq.row: h for (p, n), h in zip(writes, hidden) if n == p.left and p.first}
+        for p, n in writes:
+            p.done += n
+            p.live.seq.stats.prefill_chunks += 1
+        completed = [row for row, p in self.prefilling.items() if p.left == 0]
+        for row in completed:
+            self.cache.truncate(row, self.prefilling[row].done)
+            self.running[row] = self.prefilling.pop(row).live
+        if firsts:  # the first tokens, from the prompts' last logits, go out before anything else runs
+            first_tokens(self, [self.running[row] for row in firsts], firsts)
+        for row in completed:  # (the engine's invariant from here on: lengths[row] == len(tokens) - 1)
+            if row in self.running:  # a request with the same prefix arriving meanwhile reads its blocks
+                self._store_blocks(self.running[row])
         feed = getattr(self.drafter, "observe_prefix", None)  # a draft model's cache takes the same chunks
-        drafting = [(p.live.seq.row, p.live.seq.tokens, p.done + n, p.live.req.cache_salt) for p, n in writes if p.live.req.k]
+        drafting = [(p.live.seq.row, p.live.seq.tokens, p.done, p.live.req.cache_salt) for p, _ in writes
+                    if p.live.req.k and p.live.seq.finish_reason is None]
         if feed is not None and drafting:
             feed(drafting)
         dt = time.perf_counter() - t0
@@ -286,16 +300,12 @@ class Scheduler:
         if done >= MIN_CHUNK and dt > 0:
             rate = done / dt
             self.prefill_rate = rate if self.prefill_rate is None else 0.5 * (self.prefill_rate + rate)
-        for p, n in writes:
-            p.done += n
-            p.live.seq.stats.prefill_chunks += 1
+        for p, _ in writes:
             p.live.seq.stats.prefill_time += dt
-        for row, p in list(self.prefilling.items()):
-            if p.left == 0:  # (the engine's invariant from here on: lengths[row] == len(tokens) - 1)
-                self.cache.truncate(row, p.done)
-                self._store_blocks(p.live)  # a request with the same prefix arriving meanwhile reads them
-                del self.prefilling[row]
-                self.running[row] = p.live
+        for row in firsts:
+            lv = self.running.get(row)
+            if lv is not None and lv.seq.finish_reason is not None:  # its first token ended it
+                self._finish(lv, Event(finish_reason=lv.seq.finish_reason))
         if self.metrics:
             self.metrics.on_prefill(sum(n for _, n in writes), dt)
 
@@ -445,9 +455,16 @@ class Prefill:
     done: int  # prompt tokens with K/V (the prefix cache's, then the chunks computed)
 
     @property
+    def first(self) -> bool:
+        """A prompt without a token yet: its last token's logits give the first (a preempted
+        sequence back in a row has its pending token already)."""
+        return not self.live.seq.generated
+
+    @property
     def left(self) -> int:
-        """Tokens still to compute: every prompt token but the last (the first step feeds it)."""
-        return len(self.live.seq.tokens) - 1 - self.done
+        """Tokens still to compute: the whole prompt for a newcomer, every token but the pending
+        one for a preempted sequence."""
+        return len(self.live.seq.tokens) - (0 if self.first else 1) - self.done
 
 
 MIN_CHUNK = 16  # tokens: a chunk sized by time computes at least this many

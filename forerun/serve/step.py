@@ -1,4 +1,5 @@
-"""One scheduler step: every running row advances by one verifier forward.
+"""One scheduler step: every running row advances by one verifier forward (and a newcomer's
+first token, sampled from its prefill's last logits, goes through the same groups).
 
 Rows are grouped by how they verify (greedy; the same sampling rule; a seeded request
 alone, with its own generator) and each group is one `engine.step`: one batched forward in
@@ -121,7 +122,33 @@ def switch_terms(drafter, lives: list[Live]) -> dict:
     return {"switch_cost": tokens * per_token, "remaining": sum(lv.seq.remaining for lv in lives)}
 
 
+def first_tokens(sched, lives: list[Live], hidden: dict[int, torch.Tensor]) -> None:
+    """Each newcomer's first token from its last prompt token's logits (hidden: row -> that
+    token's hidden state, [hidden_size], from the prefill), sampled group by group as a step
+    without a draft samples it (engine.first_tokens)."""
+    groups: dict[tuple, list[Live]] = {}
+    for lv in lives:
+        groups.setdefault(group_key(lv), []).append(lv)
+    for group in groups.values():
+        job, generator = _group_job(sched, group, RowK({lv.seq.row: 0 for lv in group}))
+        try:
+            with torch.inference_mode():
+                rows = torch.stack([hidden[lv.seq.row] for lv in group])[:, None]
+                engine.first_tokens(sched.model, sched.cache, [lv.seq for lv in group], rows, job, generator)
+        except Exception as exc:  # fail this group's requests only
+            for lv in group:
+                sched._finish(lv, Event(error=f"{type(exc).__name__}: {exc}"))
+
+
 def _step_group(sched, group: list[Live], row_k: RowK) -> None:
+    job, generator = _group_job(sched, group, row_k)
+    with torch.inference_mode():
+        engine.step(sched.model, sched.cache, [lv.seq for lv in group], job, generator)
+
+
+def _group_job(sched, group: list[Live], row_k: RowK) -> tuple[engine.GenerateJob, torch.Generator | None]:
+    """The engine job of one sampling group (its stops and stream, k per row) and its generator
+    (a seeded request's own, made on its first use)."""
     params = group[0].req.params
     by_row = {lv.seq.row: lv for lv in group}
     k = max(row_k.ks.values())
@@ -134,8 +161,7 @@ def _step_group(sched, group: list[Live], row_k: RowK) -> None:
     generator = group[0].generator if params.seed is not None else sched.generator
     if params.seed is not None and generator is None:
         generator = group[0].generator = make_generator(params.seed, sched.model.device)
-    with torch.inference_mode():
-        engine.step(sched.model, sched.cache, [lv.seq for lv in group], job, generator)
+    return job, generator
 
 
 def _stopped(sched, lv: Live, generated: list[int]) -> bool:
