@@ -80,7 +80,7 @@ def test_catch_up_rides_in_the_first_draft_forward(verifier, plain):
         widths.clear()
         out = verifier.generate([prompt], GREEDY, speculative=spec)[0]
         assert out.token_ids == want and out.stats.rejections == 0
-        steps = widths[1:] if len(prompt) > 2 else widths  # a longer prompt is written first, on its own
+        steps = widths[1:]  # the prompt is written first, on its own (in the prefill)
         assert max(steps) == 2 and len(steps) == out.stats.drafted  # one forward per drafted token
 
 
