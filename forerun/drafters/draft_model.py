@@ -94,10 +94,9 @@ class DraftModelDrafter:
     def observe_prompts(self, prompts: list[tuple[int, list[int]]], salt: bytes = b"") -> None:
         """(row, tokens) of a generate call, in its prefill: write each row's tokens but the
         last (pending: the prefill's first token) into the draft cache now, as the verifier's
-        prefill wrote the prompt (llama.cpp's
-        speculative example evaluates the prompt with both models before decoding too), so
-        the first drafting step feeds one token like every other and the prompt's cost is
-        counted as prefill, not as drafting."""
+        prefill wrote the prompt (llama.cpp's speculative example evaluates the prompt with both
+        models before decoding too), so the first drafting step feeds one token like every
+        other and the prompt's cost is counted as prefill, not as drafting."""
         feeds = [(row, toks) for row, toks in prompts if len(toks) > 1 and row not in self.synced]
         if not feeds:
             return
