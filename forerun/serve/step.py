@@ -63,17 +63,9 @@ def step_all(sched, lives: list[Live]) -> tuple[int, int, int | None]:
     """Advance every live row once; returns (tokens drafted, tokens accepted, the batch's k
     when the batch-aware choice was what bounded it, else None) for this step."""
     ks, k_cap = _plan_k(sched, lives)
-    groups: dict[tuple, list[Live]] = {}
-    for lv in lives:
-        if lv.seq.row in ks:
-            groups.setdefault(group_key(lv), []).append(lv)
     before = {lv.seq.row: (lv.seq.stats.drafted, lv.seq.stats.accepted) for lv in lives}
-    for group in groups.values():
-        try:
-            _step_group(sched, group, RowK({lv.seq.row: ks[lv.seq.row] for lv in group}))
-        except Exception as exc:  # fail this group's requests only; the other rows are untouched
-            for lv in group:
-                sched._finish(lv, Event(error=f"{type(exc).__name__}: {exc}"))
+    _each_group(sched, [lv for lv in lives if lv.seq.row in ks],
+                lambda group: _step_group(sched, group, RowK({lv.seq.row: ks[lv.seq.row] for lv in group})))
     drafted = sum(lv.seq.stats.drafted - before[lv.seq.row][0] for lv in lives)
     accepted = sum(lv.seq.stats.accepted - before[lv.seq.row][1] for lv in lives)
     chosen = k_cap if ks and max(ks.values()) == k_cap else None  # not a request's own cap
@@ -126,16 +118,26 @@ def first_tokens(sched, lives: list[Live], hidden: dict[int, torch.Tensor]) -> N
     """Each newcomer's first token from its last prompt token's logits (hidden: row -> that
     token's hidden state, [hidden_size], from the prefill), sampled group by group as a step
     without a draft samples it (engine.first_tokens)."""
+
+    def first(group: list[Live]) -> None:
+        job, generator = _group_job(sched, group, RowK({lv.seq.row: 0 for lv in group}))
+        with torch.inference_mode():
+            rows = torch.stack([hidden[lv.seq.row] for lv in group])[:, None]
+            engine.first_tokens(sched.model, sched.cache, [lv.seq for lv in group], rows, job, generator)
+
+    _each_group(sched, lives, first)
+
+
+def _each_group(sched, lives: list[Live], run) -> None:
+    """run(group) for each sampling group of `lives` (group_key); an exception fails that
+    group's requests only, and the other rows are untouched."""
     groups: dict[tuple, list[Live]] = {}
     for lv in lives:
         groups.setdefault(group_key(lv), []).append(lv)
     for group in groups.values():
-        job, generator = _group_job(sched, group, RowK({lv.seq.row: 0 for lv in group}))
         try:
-            with torch.inference_mode():
-                rows = torch.stack([hidden[lv.seq.row] for lv in group])[:, None]
-                engine.first_tokens(sched.model, sched.cache, [lv.seq for lv in group], rows, job, generator)
-        except Exception as exc:  # fail this group's requests only
+            run(group)
+        except Exception as exc:
             for lv in group:
                 sched._finish(lv, Event(error=f"{type(exc).__name__}: {exc}"))
 
