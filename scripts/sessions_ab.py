@@ -7,18 +7,15 @@ trees, alternated turn by turn in one run: an A/B of two commits on the workload
 
 Each tree serves with PYTHONPATH at it (the same Python environment and options); both trees
 must need the same compiled kernels (or build their own at run time). Prints each session's line
-as the bench does, then each tree's summary.
+and each tree's summary as the bench does (forerun.bench.sessions.play_all).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 from pathlib import Path
 
-from forerun.bench.launch import Servers, out_dir
-from forerun.bench.sessions import build_sessions, play_interleaved, summary
+from forerun.bench.launch import server_argvs
+from forerun.bench.sessions import build_sessions, play_all
 
 
 def main() -> None:
@@ -34,20 +31,9 @@ def main() -> None:
     trees = [t.split("=", 1) for t in args.tree]
     if any(len(t) != 2 or not (Path(t[1]) / "forerun").is_dir() for t in trees):
         raise SystemExit("--tree takes NAME=PATH, PATH a source tree holding forerun/")
-    servers = [(name, ["env", f"PYTHONPATH={Path(path).resolve()}", sys.executable, "-m", "forerun.cli", "serve",
-                       *shlex.split(args.options), "--port", "{port}", "--max-len", str(args.max_len)])
-               for name, path in trees]
-    results: dict[str, list] = {}
-    with Servers(servers, out_dir(args.out)) as urls:
-        for session in build_sessions(args.sessions, args.turns):
-            for (label, _), turns in zip(urls, play_interleaved([u for _, u in urls], session, args.max_tokens)):
-                results.setdefault(label, []).append(turns)
-                print(json.dumps({"tree": label, "module": session.module, "session_s": round(sum(t.seconds for t in turns), 2),
-                                  "ttft_s": [round(t.ttft, 3) for t in turns], "tokens": [t.tokens for t in turns],
-                                  "prompt": [t.prompt_tokens for t in turns], "cached": [t.cached_tokens for t in turns]}),
-                      flush=True)
-    for label, turns in results.items():
-        print(f"{label}: {json.dumps(summary(turns))}")
+    (_, serve), = server_argvs([args.options], args.max_len)  # the bench's own `forerun serve` command
+    servers = [(name, ["env", f"PYTHONPATH={Path(path).resolve()}", *serve]) for name, path in trees]
+    play_all(servers, build_sessions(args.sessions, args.turns), args.max_tokens, args.out)
 
 
 if __name__ == "__main__":

@@ -185,16 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from forerun.bench.launch import Servers, out_dir, server_argvs
+    from forerun.bench.launch import server_argvs
 
     args = build_parser().parse_args(argv)
-    out = out_dir(args.out)
-    sessions = build_sessions(args.sessions, args.turns)
-    results: dict[str, list[list[Turn]]] = {}
     servers = server_argvs(args.forerun, args.max_len, args.llama_server, args.gguf, args.threads, args.llama_extra)
-    with Servers(servers, out) as urls:
-        for session in sessions:  # servers take turns, turn by turn
-            played = play_interleaved([url for _, url in urls], session, args.max_tokens)
+    play_all(servers, build_sessions(args.sessions, args.turns), args.max_tokens, args.out)
+
+
+def play_all(servers: list[tuple[str, list[str]]], sessions: list[Session], max_tokens: int, out: str) -> dict:
+    """Start every server ((label, argv with "{port}")), play the sessions one after another,
+    the servers taking turns turn by turn; print a line per session and server, then each
+    server's summary (also written to out/sessions.json), which it returns."""
+    from forerun.bench.launch import Servers, out_dir
+
+    out_path = out_dir(out)
+    results: dict[str, list[list[Turn]]] = {}
+    with Servers(servers, out_path) as urls:
+        for session in sessions:
+            played = play_interleaved([url for _, url in urls], session, max_tokens)
             first_s = sum(t.seconds for t in played[0])
             for (label, _), turns in zip(urls, played):
                 results.setdefault(label, []).append(turns)
@@ -205,9 +213,10 @@ def main(argv: list[str] | None = None) -> None:
                                   "prompt": [t.prompt_tokens for t in turns], "cached": [t.cached_tokens for t in turns]}),
                       flush=True)
     report = {label: summary(turns) for label, turns in results.items()}
-    (out / "sessions.json").write_text(json.dumps(report, indent=1))
+    (out_path / "sessions.json").write_text(json.dumps(report, indent=1))
     for label, figures in report.items():
         print(f"{label}: {json.dumps(figures)}")
+    return report
 
 
 if __name__ == "__main__":
