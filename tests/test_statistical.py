@@ -29,8 +29,8 @@ def reference(verifier):
     return joint_distribution(verifier.model, PROMPT, SamplingParams(**PARAMS), n=4)
 
 
-def _samples(llm, spec, seed):
-    outs = llm.generate([PROMPT] * N, SamplingParams(**PARAMS, seed=seed), speculative=spec)
+def _samples(llm, spec, seed, prompt=PROMPT):
+    outs = llm.generate([prompt] * N, SamplingParams(**PARAMS, seed=seed), speculative=spec)
     return [tuple(o.token_ids) for o in outs], merge([o.stats for o in outs])
 
 
@@ -78,10 +78,10 @@ def test_draft_model_sampling_is_exact_with_lookup_guesses(verifier):
     reference = joint_distribution(verifier.model, prompt, SamplingParams(**PARAMS), n=PARAMS["max_tokens"])
     draft = LLM(tiny_model(seed=8, vocab_size=8, logit_scale=1.0))
     spec = SpeculativeConfig("draft_model", 3, draft_model=draft, options={"draft_lookup": 1})
-    outs = verifier.generate([prompt] * N, SamplingParams(**PARAMS, seed=41), speculative=spec)
-    st, drafter = merge([o.stats for o in outs]), verifier.drafter_for(spec)
+    samples, st = _samples(verifier, spec, seed=41, prompt=prompt)
+    drafter = verifier.drafter_for(spec)
     assert st.accepted > 0 and st.rejections > 0 and drafter.guessed_tokens > N // 10, (st, drafter.guessed_tokens)
-    assert chi2_pvalue([tuple(o.token_ids) for o in outs], reference) > ALPHA
+    assert chi2_pvalue(samples, reference) > ALPHA
 
 
 def test_draft_model_sampling_is_exact_with_top_k(verifier):
