@@ -158,10 +158,14 @@ def reference(small):
 
 
 def _seeded_store(drafter):
-    """Earlier outputs that continue the prompt in several ways (trees and chains both drafted),
-    then no more: every row of the run drafts from the same store."""
-    drafter.store.max_requests = 4
-    for cont in ([3, 1, 2], [3, 1, 4], [5, 6, 7], [3, 3, 3]):
+    """Earlier outputs that continue the prompt's tail `1 2` and any first token t in two ways
+    (so the step after the first token drafts a tree of siblings t+1 / t+3), plus chains, then
+    no more: every row of the run drafts from the same store."""
+    texts = [[1, 2, t, (t + 1) % 8, (t + 2) % 8] for t in range(8)]
+    texts += [[1, 2, t, (t + 3) % 8, (t + 5) % 8] for t in range(8)]
+    texts += [[3, 1, 2], [5, 6, 7], [3, 3, 3]]
+    drafter.store.max_requests = len(texts)
+    for cont in texts:
         drafter.store.add(b"", cont)
     drafter.store.max_requests = 0
 
@@ -170,9 +174,10 @@ def _seeded_store(drafter):
 def test_suffix_sampling_is_exact(small, reference, hybrid):
     draft = LLM(tiny_model(seed=7, vocab_size=8, logit_scale=1.0)) if hybrid else None
     spec = SpeculativeConfig("suffix", 3, draft_model=draft,
-                             options={"suffix_min_prob": 0.0, "suffix_cache_requests": 0, "suffix_min_score": 1.2})
+                             options={"suffix_min_prob": 0.0, "suffix_cache_requests": 0, "suffix_min_score": 1.0})
     drafter = small.drafter_for(spec)
     _seeded_store(drafter)
+    assert drafter.candidate(DraftRequest(0, PROMPT + [0], 2)).parents == [-1, -1]  # siblings 1 / 3 after a first 0
     outs = small.generate([PROMPT] * N, SamplingParams(**PARAMS, seed=5), speculative=spec)
     st = merge([o.stats for o in outs])
     assert st.accepted > 0 and st.rejections > 0, st
