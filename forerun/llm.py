@@ -203,17 +203,18 @@ class LLM:
             budgets.append(min(params.max_tokens, room))
         return budgets
 
-    def new_prefix_pool(self, enable: bool | None, gb: float, block_size: int = 16):
+    def new_prefix_pool(self, enable: bool | None, gb: float, block_size: int = 16, warn: bool = True):
         """A prefix cache (kv/prefix.py) for this model, or None where it is off: enable None
         means on where hits are bit-exact (the precision is batch-invariant). LLM keeps one
-        across generate calls; the server makes its own at its block size."""
+        across generate calls; the server makes its own at its block size (warn False: the LLM
+        already said that a hit may change tokens when it made its own)."""
         from forerun.kv.prefix import PrefixPool
 
         if enable is None:
             enable = self.precision.batch_invariant
         if not enable:
             return None
-        if not self.precision.batch_invariant:  # asked for: said once, where it is made
+        if warn and not self.precision.batch_invariant:  # asked for: said once, where it is made
             warnings.warn(f"prefix caching at {self.precision.name} on {self.model.device}: its prefill and its "
                           "decoding round differently, so a cache hit may change tokens (on by default only at gguf, "
                           "int8, int4 and float32 on the kernels)", RuntimeWarning, stacklevel=3)

@@ -36,11 +36,11 @@ class ToyTokenizer:
         return "".join(f"<{m['role'][0]}>{m['content']}" for m in messages) + ("<a>" if add_generation_prompt else "")
 
 
-def tiny_llm(dtype: str = "float32", seed: int = 0, kv_cache: str = "auto") -> LLM:
+def tiny_llm(dtype: str = "float32", seed: int = 0, kv_cache: str = "auto", **llm_options) -> LLM:
     model = tiny_model(seed=seed, dtype=dtype, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, logit_scale=4.0)
     if kv_cache != "auto":
         model.set_kv_cache(kv_cache)
-    return LLM(model, dtype=dtype, tokenizer=ToyTokenizer())
+    return LLM(model, dtype=dtype, tokenizer=ToyTokenizer(), **llm_options)
 
 
 class Server:

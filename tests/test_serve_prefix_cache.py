@@ -3,6 +3,8 @@ prompt and the answer it resends), its output equals a server without the cache,
 response's usage says how many prompt tokens were cached (OpenAI's
 prompt_tokens_details.cached_tokens), /metrics counts queried, hit and evicted tokens,
 POST /reset_prefix_cache empties it, and a tenant's cache_salt keeps its blocks its own."""
+import warnings
+
 import pytest
 
 from forerun.kernels import loader as kernel_loader
@@ -148,6 +150,19 @@ def test_the_flags_turn_it_off_or_opt_in_at_any_precision(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
     with pytest.warns(RuntimeWarning, match="a cache hit may change tokens"), tiny_server("float64", prefix_cache=True) as s:
         assert s.scheduler.prefix is not None  # opted in where hits are not bit-stable: said so
+    # `forerun serve --enable-prefix-caching` builds its LLM with the same choice: said once, not twice
+    from forerun.serve.main import build_server
+    from forerun.serve.scheduler import ServeConfig
+    from tests.serve_util import NAME, Server, tiny_llm
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        llm = tiny_llm("float64", enable_prefix_caching=True)
+        conf = ServeConfig(max_batch=2, max_len=64, block_size=8, prefix_cache=True)
+        with Server(build_server(llm, None, conf, default_max_tokens=4, names=(NAME,))) as s:
+            assert s.scheduler.prefix is not None and llm.prefix_cache is not None
+    assert [str(w.message)[:30] for w in said if issubclass(w.category, RuntimeWarning)] == [
+        "prefix caching at float64 on c"]
 
 
 def test_an_eagle_server_hits_and_drafts_as_without_the_cache():

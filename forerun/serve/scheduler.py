@@ -133,8 +133,10 @@ class Scheduler:
     def _prefix_pool(self, cfg: ServeConfig):
         """The server's prefix cache (LLM.new_prefix_pool, at this server's block size); None
         where it is off. A drafter that reads the prompt's hidden states gets those of a cached
-        prefix from it too (engine.read_blocks)."""
-        return self.llm.new_prefix_pool(cfg.prefix_cache, cfg.prefix_cache_gb, cfg.block_size)
+        prefix from it too (engine.read_blocks). Where the LLM made a pool of its own (built
+        with the same choice, so that its draft model keeps one), it has already warned."""
+        return self.llm.new_prefix_pool(cfg.prefix_cache, cfg.prefix_cache_gb, cfg.block_size,
+                                        warn=self.llm.prefix_cache is None)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (POST /reset_prefix_cache), the draft model's own pool's too;
