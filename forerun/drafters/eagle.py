@@ -18,21 +18,20 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters import eagle_tree
-from forerun.drafters.base import Draft, DraftRequest, HiddenRows, register
-from forerun.drafters.draft_vocab import for_rows, forget_row, reset_rows
-from forerun.drafters.features import FeatureStore
+from forerun.drafters.base import Draft, DraftRequest, register
+from forerun.drafters.draft_vocab import for_rows
+from forerun.drafters.features import ReadsHidden
 from forerun.drafters.tree_select import TreeOptions
 from forerun.kv.cache import KVCache, chain_batch
 from forerun.sampling import draw
 
 
-class EagleDrafter:
+class EagleDrafter(ReadsHidden):
     name = "eagle"
 
     def __init__(self, model, head, tree: TreeOptions = TreeOptions(), max_depth: int = 8, logits=None):
         self.model, self.head, self.tree, self.max_depth = model, head, tree, max_depth
         self.logits = logits or model.hidden_to_logits  # hidden [..., H] -> [..., V] (see draft_vocab.head_logits)
-        self.features: FeatureStore | None = None
         self.cache: KVCache | None = None
         self.synced: dict[int, int] = {}  # row -> pairs 0 .. synced - 1 hold true features in self.cache
 
@@ -40,24 +39,14 @@ class EagleDrafter:
         return self.tree.nodes if self.tree.is_tree else k
 
     def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
-        self.features = FeatureStore(num_rows, capacity)
+        self.start_features(num_rows, capacity)
         # drafting writes past the committed pairs: a chain k slots, a tree up to beam per depth (+ padding)
         self.cache = self.head.new_cache(num_rows, capacity + self.tree.beam * (self.max_depth + 1))
         self.synced = {}
-        reset_rows(self.logits)
 
     def release(self, row: int) -> None:
-        self.features.forget(row)
-        forget_row(self.logits, row)
+        super().release(row)
         self.synced.pop(row, None)
-
-    def hidden_rows(self, row: int, n: int) -> torch.Tensor | None:
-        """[n, H] the verifier's hidden states at the row's positions 0 .. n - 1, for the prefix
-        cache to keep with its blocks; None where some never arrived."""
-        return None if self.features is None else self.features.first(row, n)
-
-    def observe_hidden(self, rows: list[HiddenRows]) -> None:
-        self.features.write(rows)
 
     def run(self, feats: torch.Tensor, tokens: torch.Tensor, batch) -> torch.Tensor:
         """The head on pairs (feats [B, T, H], tokens [B, T]) at batch's positions -> [B, T, H]."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from forerun.drafters.base import HiddenRows
+from forerun.drafters.draft_vocab import forget_row, reset_rows
 
 
 class FeatureStore:
@@ -47,3 +48,29 @@ class FeatureStore:
     def span(self, row: int, start: int, end: int) -> torch.Tensor:
         """[end - start, H] positions start .. end - 1 of one row (a view)."""
         return self.buf[row, start:end]
+
+
+class ReadsHidden:
+    """What the drafters that read the verifier's hidden states share (Medusa, DFlash, EAGLE):
+    a FeatureStore made at `start`, fed by `observe_hidden`, read back for the prefix cache by
+    `hidden_rows`, and the per-row state of their head's logits (draft_vocab) forgotten with
+    the row. They set `self.logits` and call `start_features` from their `start`."""
+
+    features: FeatureStore | None = None
+    logits = None  # hidden [..., H] -> [..., V]: the model's head, or draft_vocab's reduced one
+
+    def start_features(self, num_rows: int, capacity: int) -> None:
+        self.features = FeatureStore(num_rows, capacity)
+        reset_rows(self.logits)
+
+    def release(self, row: int) -> None:
+        self.features.forget(row)
+        forget_row(self.logits, row)
+
+    def hidden_rows(self, row: int, n: int) -> torch.Tensor | None:
+        """[n, H] the verifier's hidden states at the row's positions 0 .. n - 1, for the prefix
+        cache to keep with its blocks; None where some never arrived."""
+        return None if self.features is None else self.features.first(row, n)
+
+    def observe_hidden(self, rows: list[HiddenRows]) -> None:
+        self.features.write(rows)

@@ -17,41 +17,27 @@ from __future__ import annotations
 import torch
 
 from forerun.config import SamplingParams
-from forerun.drafters.base import Draft, DraftRequest, HiddenRows, register
-from forerun.drafters.draft_vocab import for_rows, forget_row, reset_rows
-from forerun.drafters.features import FeatureStore
+from forerun.drafters.base import Draft, DraftRequest, register
+from forerun.drafters.draft_vocab import for_rows
+from forerun.drafters.features import ReadsHidden
 from forerun.drafters.tree_select import TreeOptions, best_first_tree
 from forerun.kv.cache import KVCache
 from forerun.sampling import logits_to_probs, sample, sample_many
 
 
-class MedusaDrafter:
+class MedusaDrafter(ReadsHidden):
     name = "medusa"
 
     def __init__(self, model, heads, tree: TreeOptions = TreeOptions(), logits=None):
         self.model, self.heads, self.tree = model, heads, tree
         self.logits = logits or model.hidden_to_logits  # hidden [..., H] -> [..., V] (see draft_vocab.head_logits)
         self.num_heads = heads.config.num_heads
-        self.features: FeatureStore | None = None
 
     def max_draft_nodes(self, k: int) -> int:
         return self.tree.nodes if self.tree.is_tree else min(k, self.num_heads)
 
     def start(self, num_rows: int, capacity: int, verifier_cache: KVCache) -> None:
-        self.features = FeatureStore(num_rows, capacity)
-        reset_rows(self.logits)
-
-    def release(self, row: int) -> None:
-        self.features.forget(row)
-        forget_row(self.logits, row)
-
-    def hidden_rows(self, row: int, n: int) -> torch.Tensor | None:
-        """[n, H] the verifier's hidden states at the row's positions 0 .. n - 1, for the prefix
-        cache to keep with its blocks; None where some never arrived."""
-        return None if self.features is None else self.features.first(row, n)
-
-    def observe_hidden(self, rows: list[HiddenRows]) -> None:
-        self.features.write(rows)
+        self.start_features(num_rows, capacity)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], params: SamplingParams, generator) -> list[Draft]:
