@@ -77,9 +77,10 @@ class Server:
 
 
 def tiny_server(dtype: str = "float32", k: int = 4, batch_aware: bool = False, kv_cache: str = "auto",
-                spec: SpeculativeConfig | None = None, **cfg) -> Server:
-    """A server of tiny_llm(dtype): prompt lookup at k (0: plain decoding), or `spec` where given."""
-    llm = tiny_llm(dtype, kv_cache=kv_cache)
+                spec: SpeculativeConfig | None = None, llm: LLM | None = None, **cfg) -> Server:
+    """A server of tiny_llm(dtype) (or of `llm`): prompt lookup at k (0: plain decoding), or
+    `spec` where given."""
+    llm = llm or tiny_llm(dtype, kv_cache=kv_cache)
     spec = spec or (SpeculativeConfig("ngram", k, ngram_min=1) if k else None)
     conf = ServeConfig(**{"max_batch": 4, "max_len": 256, "block_size": 8, "batch_aware": batch_aware, **cfg})
     return Server(build_server(llm, spec, conf, default_max_tokens=16, names=(NAME,)))

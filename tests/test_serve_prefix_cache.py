@@ -151,15 +151,12 @@ def test_the_flags_turn_it_off_or_opt_in_at_any_precision(capsys):
     with pytest.warns(RuntimeWarning, match="a cache hit may change tokens"), tiny_server("float64", prefix_cache=True) as s:
         assert s.scheduler.prefix is not None  # opted in where hits are not bit-stable: said so
     # `forerun serve --enable-prefix-caching` builds its LLM with the same choice: said once, not twice
-    from forerun.serve.main import build_server
-    from forerun.serve.scheduler import ServeConfig
-    from tests.serve_util import NAME, Server, tiny_llm
+    from tests.serve_util import tiny_llm
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         llm = tiny_llm("float64", enable_prefix_caching=True)
-        conf = ServeConfig(max_batch=2, max_len=64, block_size=8, prefix_cache=True)
-        with Server(build_server(llm, None, conf, default_max_tokens=4, names=(NAME,))) as s:
+        with tiny_server("float64", k=0, llm=llm, prefix_cache=True) as s:
             assert s.scheduler.prefix is not None and llm.prefix_cache is not None
     assert [str(w.message)[:30] for w in said if issubclass(w.category, RuntimeWarning)] == [
         "prefix caching at float64 on c"]
