@@ -208,8 +208,8 @@ def step(model, cache: KVCache, active: list[Sequence], job: GenerateJob, genera
     paths = [list(range(n)) for n in num_accepted]
     _observe(job, active, drafts, shaped, paths, next_tokens)
     _observe_hidden(job, active, out.hidden, paths)
+    _learn(job, active, drafts, num_accepted, t1 - t0)
     t2 = time.perf_counter()
-    _learn(job, active, drafts, num_accepted, t1 - t0, t2 - t1)
     for i, (s, d, n, nxt) in enumerate(zip(active, drafts, num_accepted, next_tokens)):
         _record(s, d, len(d.tokens), n)
         emitted = d.tokens[:n] + [nxt]
@@ -240,8 +240,8 @@ def _tree_step(model, cache, active, drafts, job: GenerateJob, generator, t0: fl
                    for i, d in enumerate(drafts)]
     _observe(job, active, drafts, shaped, [r.path for r in results], [r.next_token for r in results])
     _observe_hidden(job, active, out.hidden, [r.path for r in results])
+    _learn(job, active, drafts, [len(r.path) for r in results], t1 - t0)
     t2 = time.perf_counter()
-    _learn(job, active, drafts, [len(r.path) for r in results], t1 - t0, t2 - t1)
     for i, (s, d, start, r) in enumerate(zip(active, drafts, starts, results)):
         src = [start + 1 + n for n in r.path]
         dst = list(range(start + 1, start + 1 + len(r.path)))
@@ -328,16 +328,16 @@ def retiring(s: Sequence) -> DraftRequest:
     return DraftRequest(s.row, s.tokens, 0, s.prompt_len, s.tenant)
 
 
-def _learn(job: GenerateJob, active: list[Sequence], drafts: list[Draft], accepted: list[int], draft_s: float,
-           verify_s: float):
-    """Feed the adaptive-k policy what this step showed: acceptance per row, the step's times."""
+def _learn(job: GenerateJob, active: list[Sequence], drafts: list[Draft], accepted: list[int], draft_s: float):
+    """Feed the adaptive-k policy what this step showed: acceptance per row, drafter time."""
     policy = job.k_policy
     if policy is None:
         return
-    drafted = [d.depth() if d.is_tree else len(d.tokens) for d in drafts]
-    for s, d, n in zip(active, drafted, accepted):
-        policy.update(s.row, d, n)
-    policy.observe_step(max(drafted, default=0), draft_s, verify_s)
+    for s, d, n in zip(active, drafts, accepted):
+        policy.update(s.row, d.depth() if d.is_tree else len(d.tokens), n)
+    drafted = sum(len(d.tokens) for d in drafts)
+    if drafted:
+        policy.observe_draft_time(draft_s / drafted)
 
 
 def _verify(logits: torch.Tensor, drafts: list[Draft], params: SamplingParams, generator, typical: TypicalRule | None = None):

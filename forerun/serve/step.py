@@ -46,7 +46,7 @@ class RowK:
     def update(self, row: int, drafted: int, accepted: int) -> None:
         pass
 
-    def observe_step(self, k: int, draft_s: float, verify_s: float) -> None:
+    def observe_draft_time(self, seconds_per_token: float) -> None:
         pass
 
 
