@@ -234,6 +234,25 @@ def test_a_buckets_first_try_waits_until_its_catch_up_fits_the_budget():
     assert first in (400, 401)  # 400 x 0.05 s, give or take a float rounding
 
 
+def test_drafting_is_tried_though_the_catch_up_grows_with_every_plain_step():
+    """One row, a draft model fed 4 ms a token: every k = 0 step (80 ms) leaves one more token
+    to catch up on, 4 ms, as much as the budget gains (5% of 80 ms), so the budget alone never
+    lets a first try start. A first try whose catch-up fits in one mean step starts anyway
+    (after k = 0's own first steps); a 1 s catch-up still waits for the budget (the test above)."""
+    from forerun.serve.batch_k import BatchK
+
+    ctl = BatchK(k_max=2, explore_every=10)
+    unfed, ks = 1, []
+    for _ in range(300):
+        k = ctl.choose(1, switch_cost=0.004 * unfed, remaining=10_000)
+        paid = 0.004 * unfed if k else 0.0
+        unfed = 1 if k else unfed + 1
+        ctl.record(1, k, tokens=2.5 if k else 1.0, seconds=0.1 if k else 0.08, overhead=paid)
+        ks.append(k)
+    assert ks[:3] == [0, 0, 1]  # the first try right after k = 0's first rounds
+    assert ks[-50:].count(0) <= 10  # drafting (25 tokens/s against 12.5) is what it runs
+
+
 def test_the_draft_models_catch_up_is_counted_apart_from_steady_drafting():
     """Batch-aware k compares per-step rates; the draft model's one-time catch-up after steps
     run with k = 0 is timed apart so that a try of k > 0 is not judged on it. A new prompt's

@@ -17,7 +17,8 @@ draft model first catches up on every token it skipped), so these rules keep the
   - a try's one-time overhead (the draft model's catch-up on tokens its rows skipped, passed
     to `record`, kept out of the rates) comes out of a budget: a try starts only while the
     bucket's catch-ups so far plus the one it needs (`switch_cost`, passed to `choose`) stay
-    within `try_budget` (5%) of the bucket's time, a bucket's first tries included. A new
+    within `try_budget` (5%) of the bucket's time; a candidate's first tries also start where
+    their catch-up takes at most one of the bucket's mean steps. A new
     request's prompt, fed to the draft model at its first drafting step, is no such overhead: every request pays it while drafting is on, so its seconds are spread over
     the tokens drafting steps emit, and each k > 0 rate carries that cost per token;
   - a larger k is chosen over a smaller one only where its rate is `margin` (5%) higher: a
@@ -97,7 +98,7 @@ class BatchK:
         for k in allowed:
             arm = self._stats.setdefault((b, k), Arm())
             if arm.tried < self.min_tries:
-                if k and not (self._affordable(b, switch_cost) and self._pays_back(b, k, switch_cost, remaining)):
+                if k and not (self._affordable(b, switch_cost, first=True) and self._pays_back(b, k, switch_cost, remaining)):
                     return 0
                 arm.tried += 1  # counted when chosen: concurrent choices spread over arms
                 return k
@@ -112,9 +113,15 @@ class BatchK:
                 return k
         return best if not best or self._pays_back(b, best, switch_cost, remaining) else 0
 
-    def _affordable(self, b: int, switch_cost: float) -> bool:
-        """Whether bucket b's catch-ups so far plus this one stay within try_budget of its time."""
-        return self._spent.get(b, 0.0) + switch_cost <= self.try_budget * self._clock.get(b, 0.0)
+    def _affordable(self, b: int, switch_cost: float, first: bool = False) -> bool:
+        """Whether bucket b's catch-ups so far plus this one stay within try_budget of its time;
+        a candidate's first tries also whenever this catch-up takes no longer than the bucket's
+        mean step (else, while k = 0 runs, the tokens to catch up on can grow as fast as the
+        budget does, and drafting is never tried at all)."""
+        clock = self._clock.get(b, 0.0)
+        if first and 0 < switch_cost <= clock / max(1, self._steps.get(b, 1) - 1):
+            return True
+        return self._spent.get(b, 0.0) + switch_cost <= self.try_budget * clock
 
     def _pays_back(self, b: int, k: int, switch_cost: float, remaining: int | None) -> bool:
         """Whether `remaining` tokens at k's measured rate instead of k = 0's save more than
