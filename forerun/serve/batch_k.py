@@ -119,7 +119,8 @@ class BatchK:
         mean step (else, while k = 0 runs, the tokens to catch up on can grow as fast as the
         budget does, and drafting is never tried at all)."""
         clock = self._clock.get(b, 0.0)
-        if first and 0 < switch_cost <= clock / max(1, self._steps.get(b, 1) - 1):
+        recorded = sum(arm.steps for (s, _), arm in self._stats.items() if s == b)  # the steps clock counts
+        if first and 0 < switch_cost <= clock / max(1, recorded):
             return True
         return self._spent.get(b, 0.0) + switch_cost <= self.try_budget * clock
 
